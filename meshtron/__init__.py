@@ -1,0 +1,5 @@
+"""meshtron: Megatron-style parallel training on one DeviceMesh (dp, pp, cp, tp, ep)."""
+from meshtron.mesh import AXES, SUBMESHES, degree, init_mesh, submesh
+from meshtron.parallelize import ParallelConfig, parallelize
+
+__all__ = ["AXES", "SUBMESHES", "ParallelConfig", "degree", "init_mesh", "parallelize", "submesh"]

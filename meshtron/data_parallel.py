@@ -1,0 +1,82 @@
+"""Data parallelism: DDP and ZeRO-1/2/3 through FSDP2, HSDP, mixed precision.
+
+Every stage is one `fully_shard` call per transformer block plus one on the
+root, over the dense data-parallel sub-mesh dp x cp x ep (see mesh.py):
+
+    zero  FSDP2 setting                               per step, per rank (P params, n ranks)
+    ----  ------------------------------------------  -----------------------------------------------
+    0     2-D mesh (replicate=n, shard=1): DDP         all-reduce grads: 2P(n-1)/n
+    1     shard=n, reshard_after_forward=False,       all-gather P(n-1)/n once + reduce-scatter
+          grads kept unsharded across micro-batches   P(n-1)/n once (after the last micro-batch)
+    2     shard=n, reshard_after_forward=False        all-gather once + reduce-scatter per micro-batch
+    3     shard=n, reshard_after_forward=True         all-gather in forward and again in backward
+                                                      + reduce-scatter: 3P(n-1)/n
+
+FSDP2 always keeps gradients sharded after their reduce-scatter, so ZeRO-1 is
+expressed by its nearest faithful equivalent: unsharded gradients accumulate
+locally over micro-batches and are reduce-scattered once, while the optimizer
+state and the parameters' fp32 master copy are sharded. Its at-rest memory is
+therefore that of ZeRO-2; the difference from ZeRO-2 is communication (one
+reduce-scatter per step instead of one per micro-batch). README has the table.
+
+HSDP (`hsdp=R`): the dense dp group is split into R replicas x (n/R) shards;
+parameters are sharded inside a replica (keep it inside a node) and gradients
+all-reduced across replicas.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from meshtron.mesh import degree, submesh
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def dp_mesh_for(mesh: DeviceMesh, zero_stage: int, hsdp: int = 1) -> DeviceMesh:
+    """The 1-D (FSDP) or 2-D (HSDP / DDP) mesh FSDP2 runs on, derived from the one mesh."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, not {zero_stage}")
+    n = degree(mesh, "dense_dp")
+    replicate = n if zero_stage == 0 else hsdp
+    if hsdp < 1 or n % hsdp:
+        raise ValueError(f"hsdp={hsdp} replicas must divide the dense data-parallel size dp*cp*ep={n}")
+    if zero_stage == 0 and hsdp not in (1, n):
+        raise ValueError("zero 0 (DDP) replicates across all data-parallel ranks; do not combine it with --hsdp")
+    flat = submesh(mesh, "dense_dp")
+    if replicate == 1:
+        return flat
+    names = ("dp_replicate", "dp_shard")
+    if hasattr(flat, "_unflatten"):
+        return flat._unflatten(0, (replicate, n // replicate), names)
+    return DeviceMesh(flat.device_type, flat.mesh.view(replicate, n // replicate), mesh_dim_names=names)
+
+
+def mp_policy(param_dtype: str = "bf16", reduce_dtype: str = "fp32") -> MixedPrecisionPolicy:
+    """fp32 master weights (FSDP keeps the sharded fp32 copy), compute in
+    param_dtype, gradients reduced in reduce_dtype (fp32 by default, as Megatron)."""
+    return MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, zero_stage: int = 3, hsdp: int = 1,
+               param_dtype: str = "fp32", reduce_dtype: str = "fp32") -> nn.Module:
+    """Shard each transformer block, then the root (embedding, final norm, output)."""
+    dp_mesh = dp_mesh_for(mesh, zero_stage, hsdp)
+    reshard = zero_stage == 3
+    policy = mp_policy(param_dtype, reduce_dtype)
+    blocks = list(model.layers.values()) if hasattr(model, "layers") else []
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    # the root's parameters are used last in forward and first in backward:
+    # resharding them after forward only to gather them again at once is waste
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
+    model._meshtron_zero_stage = zero_stage
+    return model
+
+
+def set_grad_sync(model: nn.Module, is_last_micro_batch: bool) -> None:
+    """ZeRO-1 and DDP defer gradient reduction to the last micro-batch."""
+    if isinstance(model, FSDPModule) and getattr(model, "_meshtron_zero_stage", 3) in (0, 1):
+        model.set_requires_gradient_sync(is_last_micro_batch)

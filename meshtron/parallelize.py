@@ -1,0 +1,51 @@
+"""`parallelize`: apply a layout to a model, in torchtitan's order.
+
+1. tensor / sequence parallelism (tp axis): changes what each rank computes,
+   so it must see the plain modules;
+2. activation recomputation: wraps blocks that already hold their TP shards;
+3. torch.compile per block: compiles the TP-partitioned, checkpointed block;
+4. FSDP (dense dp x cp x ep): last, because it shards whatever parameters
+   the earlier steps left (DTensors on tp become 2-D dp x tp DTensors).
+
+Every step is skipped when its axis has size 1, so an unused axis costs nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshtron.data_parallel import DTYPES, apply_fsdp
+from meshtron.mesh import check_model_fits, degree
+from meshtron.recompute import apply_recompute
+
+
+@dataclass
+class ParallelConfig:
+    zero_stage: int = 1
+    hsdp: int = 1                 # replicas of HSDP (1 = plain FSDP over all dp ranks)
+    param_dtype: str = "fp32"     # compute dtype; master weights stay fp32
+    reduce_dtype: str = "fp32"    # gradient reduction dtype
+    recompute: str = "none"       # none | full | selective
+    compile: bool = False
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig = ParallelConfig()) -> nn.Module:
+    check_model_fits({a: degree(mesh, a) for a in ("dp", "pp", "cp", "tp", "ep")}, getattr(model, "config", None))
+    if cfg.recompute != "none":
+        apply_recompute(model, cfg.recompute)
+    if cfg.compile:
+        for name, block in model.layers.items():
+            model.layers[name] = torch.compile(block)
+    if degree(mesh, "dense_dp") > 1:
+        apply_fsdp(model, mesh, cfg.zero_stage, cfg.hsdp, cfg.param_dtype, cfg.reduce_dtype)
+    return model
+
+
+def autocast_dtype(mesh: DeviceMesh, cfg: ParallelConfig) -> torch.dtype | None:
+    """Without FSDP there is no parameter cast: bf16 compute comes from autocast."""
+    if cfg.param_dtype != "fp32" and degree(mesh, "dense_dp") == 1:
+        return DTYPES[cfg.param_dtype]
+    return None

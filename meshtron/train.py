@@ -1,0 +1,138 @@
+"""The training step: micro-batches, loss averaging, global-norm clipping, the
+optimizer and the learning-rate schedule. Layout-agnostic: everything
+layout-specific comes from the mesh and the parallelized model.
+
+Loss: each rank averages over its own tokens; every rank holds the same number
+of tokens (fixed-length packing), so the mean of those means over the loss
+sub-mesh dp x cp x ep (and over micro-batches) is the global token mean, and the
+loss does not change with the layout. Gradients follow the same rule: FSDP
+averages over dp x cp x ep, micro-batch losses are divided by their count.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from meshtron.data_parallel import set_grad_sync
+from meshtron.mesh import degree, submesh
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Token-mean cross-entropy in fp32 (logits may be bf16 or a vocab-sharded DTensor)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
+def batch_slice(mesh: DeviceMesh) -> tuple[int, int]:
+    """(index, count) of this rank's slice of the global batch: ranks on the same
+    batch coordinate (pp, cp, tp peers) read the same samples."""
+    n = degree(mesh, "batch")
+    return (submesh(mesh, "batch").get_local_rank() if n > 1 else 0), n
+
+
+def forward_backward(model: nn.Module, micro_batches, mesh: DeviceMesh | None, *, loss_fn=cross_entropy,
+                     loss_context=contextlib.nullcontext, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Run all micro-batches; return the global mean loss (fp32, detached, same on every rank)."""
+    n = len(micro_batches)
+    device = next(model.parameters()).device
+    losses = []
+    for i, (x, y) in enumerate(micro_batches):
+        set_grad_sync(model, i == n - 1)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
+        with loss_context():
+            with amp:
+                logits = model(x)
+            loss = loss_fn(logits, y) / n
+            loss.backward()
+        loss = loss.detach()
+        losses.append(loss.full_tensor() if isinstance(loss, DTensor) else loss)
+    return mean_over(torch.stack(losses).sum(), mesh, "loss")
+
+
+def mean_over(value: torch.Tensor, mesh: DeviceMesh | None, name: str) -> torch.Tensor:
+    if mesh is not None and degree(mesh, name) > 1:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=submesh(mesh, name).get_group())
+        value /= degree(mesh, name)
+    return value
+
+
+@torch.no_grad()
+def grad_norm(parameters, mesh: DeviceMesh | None = None) -> torch.Tensor:
+    """Global L2 norm of all gradients, each parameter counted once.
+
+    DTensor grads are grouped by (mesh, placements) since the stock norm cannot
+    stack DTensors of different meshes; each group's norm is made whole with
+    full_tensor(). Pipeline stages hold disjoint parameters, so their squared
+    norms are summed over pp.
+    """
+    groups = defaultdict(list)
+    for p in parameters:
+        if p.grad is None:
+            continue
+        g = p.grad
+        key = (id(g.device_mesh), tuple(g.placements)) if isinstance(g, DTensor) else ("local", g.device)
+        groups[key].append(g)
+    total_sq = None
+    for grads in groups.values():
+        n = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
+        n = (n.full_tensor() if isinstance(n, DTensor) else n).float()
+        total_sq = n * n if total_sq is None else total_sq + (n * n).to(total_sq.device)
+    if total_sq is None:
+        total_sq = torch.zeros(())
+    if mesh is not None and degree(mesh, "pp") > 1:
+        dist.all_reduce(total_sq, group=mesh["pp"].get_group())
+    return total_sq.sqrt()
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float | None, mesh: DeviceMesh | None = None) -> torch.Tensor:
+    parameters = [p for p in parameters if p.grad is not None]
+    norm = grad_norm(parameters, mesh)
+    if max_norm is not None and max_norm > 0:
+        coef = min(1.0, max_norm / (float(norm) + 1e-6))
+        if coef < 1.0:
+            for p in parameters:
+                p.grad.mul_(coef)
+    return norm
+
+
+def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1, betas=(0.9, 0.95)):
+    """AdamW, no weight decay on biases and norms (Megatron). Every parameter is a
+    DTensor or none is (parallelize guarantees it), so the foreach/fused path works."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    fused = all(p.is_cuda for p in decay + no_decay)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, fused=fused or None, foreach=None if fused else True)
+
+
+def warmup_cosine(warmup: int, total: int, min_ratio: float = 0.1):
+    """lr multiplier: linear warmup to 1, cosine down to min_ratio at `total`."""
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        t = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+    return f
+
+
+def train_step(model, optimizer, scheduler, micro_batches, mesh, *, max_norm=None, **fb_kwargs):
+    loss = forward_backward(model, micro_batches, mesh, **fb_kwargs)
+    norm = clip_grad_norm_(model.parameters(), max_norm, mesh)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if scheduler is not None:
+        scheduler.step()
+    return loss, norm
+

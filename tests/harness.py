@@ -1,0 +1,140 @@
+"""Real multi-rank tests on the CPU: gloo worker pools forked once per world
+size and reused for many checks, plus the parity helper.
+
+A check is a module-level function `fn(rank, world_size, *args)`; `run(world,
+fn, *args)` calls it on every rank of the pool of that size and returns the
+per-rank results. If any rank raises, or the check outlasts its timeout (a
+rank stuck in a collective), the pool is killed and restarted on next use, and
+the error carries the failing rank's traceback. A fresh 4-rank world costs
+seconds; a check on a warm pool costs tens of milliseconds.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+PG_TIMEOUT_S = 60
+
+
+class RankError(RuntimeError):
+    pass
+
+
+def _worker(rank: int, world_size: int, store_path: str, conn) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, store=store,
+                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        fn, args, kwargs = msg
+        try:
+            conn.send(("ok", fn(rank, world_size, *args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - report everything to the parent
+            conn.send(("err", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class WorkerPool:
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        ctx = mp.get_context("fork")
+        self._tmp = tempfile.mkdtemp(prefix=f"meshtron-pool{world_size}-")
+        store_path = os.path.join(self._tmp, "store")
+        self.conns, self.procs = [], []
+        for r in range(world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker, args=(r, world_size, store_path, child), daemon=True)
+            p.start()
+            self.conns.append(parent)
+            self.procs.append(p)
+
+    def run(self, fn, *args, timeout: float = 120.0, **kwargs) -> list:
+        for c in self.conns:
+            c.send((fn, args, kwargs))
+        results, errors = [None] * self.world_size, {}
+        deadline = time.monotonic() + timeout
+        pending = set(range(self.world_size))
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{fn.__name__} on {self.world_size} ranks: ranks {sorted(pending)} "
+                                   f"did not finish in {timeout:.0f} s" + _first_error(errors))
+            for r in sorted(pending):
+                if self.conns[r].poll(min(left, 0.05)):
+                    status, value = self.conns[r].recv()
+                    pending.discard(r)
+                    if status == "ok":
+                        results[r] = value
+                    else:
+                        errors[r] = value
+                elif not self.procs[r].is_alive():
+                    raise RankError(f"rank {r} died (exit code {self.procs[r].exitcode})" + _first_error(errors))
+            if errors and pending:
+                # the others are most likely blocked in a collective with the failed rank
+                raise RankError(f"{fn.__name__} failed on ranks {sorted(errors)}" + _first_error(errors))
+        if errors:
+            raise RankError(f"{fn.__name__} failed on ranks {sorted(errors)}" + _first_error(errors))
+        return results
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=5)
+
+
+def _first_error(errors: dict) -> str:
+    if not errors:
+        return ""
+    r = min(errors)
+    return f"\n--- rank {r} traceback ---\n{errors[r]}"
+
+
+class Pools:
+    """One warm pool per world size; a pool that saw a failure is discarded."""
+
+    def __init__(self):
+        self._pools: dict[int, WorkerPool] = {}
+
+    def run(self, world_size: int, fn, *args, timeout: float = 120.0, **kwargs) -> list:
+        pool = self._pools.get(world_size)
+        if pool is None:
+            pool = self._pools[world_size] = WorkerPool(world_size)
+        try:
+            return pool.run(fn, *args, timeout=timeout, **kwargs)
+        except BaseException:
+            pool.close()
+            del self._pools[world_size]
+            raise
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+
+
+# ---- worker-side helpers -------------------------------------------------
+
+_MESHES: dict = {}
+
+
+def mesh(**degrees):
+    """A cached mesh for this layout (creating gloo groups costs a rendezvous)."""
+    from meshtron import init_mesh
+
+    key = tuple(sorted(degrees.items()))
+    if key not in _MESHES:
+        _MESHES[key] = init_mesh(device_type="cpu", **degrees)
+    return _MESHES[key]
