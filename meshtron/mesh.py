@@ -111,14 +111,13 @@ def submesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
         return mesh[name]
     if name not in SUBMESHES:
         raise ValueError(f"unknown sub-mesh {name!r}; known: {AXES + tuple(SUBMESHES)}")
-    axes = SUBMESHES[name]
-    flat_name = "_".join(axes)
-    # _flatten registers the flattened mesh on the root, so later look-ups by
-    # name are free; there is no public flatten in torch 2.11-2.13.
-    try:
-        return mesh[flat_name]
-    except KeyError:
-        return mesh[axes]._flatten(flat_name)
+    # torch wants flattened meshes kept by their creator (slicing them back out
+    # of the root is deprecated), so the mesh carries its own small cache.
+    cache = mesh.__dict__.setdefault("_meshtron_flat", {})
+    if name not in cache:
+        axes = SUBMESHES[name]
+        cache[name] = mesh[axes]._flatten("_".join(axes))  # no public flatten in torch 2.11-2.13
+    return cache[name]
 
 
 def degree(mesh: DeviceMesh, name: str) -> int:

@@ -105,7 +105,7 @@ def clip_grad_norm_(parameters, max_norm: float | None, mesh: DeviceMesh | None 
     return norm
 
 
-def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1, betas=(0.9, 0.95)):
+def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1, betas=(0.9, 0.95), eps: float = 1e-8):
     """AdamW, no weight decay on biases and norms (Megatron). Every parameter is a
     DTensor or none is (parallelize guarantees it), so the foreach/fused path works."""
     decay, no_decay = [], []
@@ -114,7 +114,7 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1, beta
             (no_decay if p.ndim < 2 else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     fused = all(p.is_cuda for p in decay + no_decay)
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, fused=fused or None, foreach=None if fused else True)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None, foreach=None if fused else True)
 
 
 def warmup_cosine(warmup: int, total: int, min_ratio: float = 0.1):

@@ -1,0 +1,63 @@
+"""Throughput, MFU and memory for the log line.
+
+MFU = achieved model FLOP/s / (dense bf16 peak of the GPU). Model FLOPs come
+from GPTConfig.flops_per_token (6N + 12*L*d*T per token, no recomputation
+counted), so recomputation lowers MFU, as in Megatron and PaLM.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+# dense bf16 tensor-core peaks, TFLOP/s (vendor datasheets, no sparsity)
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100 NVL": 835.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0,
+                    "L40S": 362.0, "A10G": 70.0, "B200": 2250.0}
+
+
+def peak_tflops(device: torch.device | None = None) -> float | None:
+    if not torch.cuda.is_available() or (device is not None and device.type != "cuda"):
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, peak in PEAK_BF16_TFLOPS.items():
+        if key in name:
+            return peak
+    return None
+
+
+def peak_memory_gib(device: torch.device) -> float | None:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    try:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB, host RSS
+    except ImportError:
+        return None
+
+
+class Throughput:
+    """Tokens/s and TFLOP/s per GPU over the steps since the last report."""
+
+    def __init__(self, flops_per_token: float, world_size: int, device: torch.device):
+        self.flops_per_token, self.world_size, self.device = flops_per_token, world_size, device
+        self.peak = peak_tflops(device)
+        self.reset()
+
+    def reset(self):
+        self.t0, self.tokens = time.perf_counter(), 0
+
+    def add(self, tokens: int):
+        self.tokens += tokens
+
+    def report(self) -> dict:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dt = time.perf_counter() - self.t0
+        tps = self.tokens / dt
+        tflops = tps * self.flops_per_token / self.world_size / 1e12
+        out = {"tokens_per_s": tps, "tokens_per_s_per_gpu": tps / self.world_size, "tflops_per_gpu": tflops,
+               "step_time_s": dt}
+        if self.peak:
+            out["mfu"] = tflops / self.peak
+        self.reset()
+        return out

@@ -1,0 +1,117 @@
+"""Train meshtron's GPT under any layout of the one mesh.
+
+    torchrun --nproc-per-node 4 recipes/train_gpt.py --model tiny --dp 2 --tp 2 --steps 50
+    python recipes/train_gpt.py --model tiny --steps 20          # one process
+
+Data: the Python standard library's sources (default), a text file or
+directory (--data PATH), or a uint16/uint32 token file (--data file.u16).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from meshtron import ParallelConfig, degree, init_mesh, parallelize, train  # noqa: E402
+from meshtron.data import BatchLoader, load_tokens  # noqa: E402
+from meshtron.metrics import Throughput, peak_memory_gib  # noqa: E402
+from meshtron.models import GPT, gpt_config  # noqa: E402
+from meshtron.parallelize import autocast_dtype  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny", help="preset: tiny, 125M, 350M, 1.3B, 2.7B, 6.7B")
+    p.add_argument("--pos-emb", choices=["learned", "rope"], default=None)
+    for axis in ("dp", "pp", "cp", "tp", "ep"):
+        p.add_argument(f"--{axis}", type=int, default=-1 if axis == "dp" else 1, help=f"{axis} degree")
+    p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage over the dp axes")
+    p.add_argument("--hsdp", type=int, default=1, help="HSDP replica groups (1 = plain FSDP)")
+    p.add_argument("--recompute", choices=["none", "full", "selective"], default="none")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block")
+    p.add_argument("--no-fused-kernels", action="store_true", help="plain PyTorch LayerNorm/GeLU on GPU")
+    p.add_argument("--micro-batch", type=int, default=4, help="samples per micro-batch per rank")
+    p.add_argument("--global-batch", type=int, default=None, help="samples per optimizer step (default: no accumulation)")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--min-lr-ratio", type=float, default=0.1)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--max-norm", type=float, default=1.0, help="clip by global gradient norm (0: off)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="compute dtype (master weights fp32)")
+    p.add_argument("--reduce-dtype", choices=["fp32", "bf16"], default="fp32", help="gradient reduction dtype")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", default=None, help="text file/dir or .u16/.u32 token file (default: Python stdlib)")
+    p.add_argument("--log-interval", type=int, default=10)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> list[float]:
+    args = parse_args(argv)
+    overrides = {"fused_kernels": not args.no_fused_kernels}
+    if args.pos_emb:
+        overrides["pos_emb"] = args.pos_emb
+    cfg = gpt_config(args.model, **overrides)
+    if args.seq_len > cfg.max_seq_len:
+        raise ValueError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
+    mesh = init_mesh(args.dp, args.pp, args.cp, args.tp, args.ep, config=cfg, seq_len=args.seq_len)
+    rank = dist.get_rank()
+    device = torch.device(mesh.device_type, torch.cuda.current_device() if mesh.device_type == "cuda" else 0) \
+        if mesh.device_type == "cuda" else torch.device("cpu")
+    batch_index, batch_ranks = train.batch_slice(mesh)
+    global_batch = args.global_batch or args.micro_batch * batch_ranks
+
+    torch.manual_seed(args.seed)
+    with torch.device("meta"):
+        model = GPT(cfg, seed=None)
+    pcfg = ParallelConfig(zero_stage=args.zero, hsdp=args.hsdp, param_dtype=args.dtype, reduce_dtype=args.reduce_dtype,
+                          recompute=args.recompute, compile=args.compile)
+    model = parallelize(model, mesh, pcfg)
+    model.to_empty(device=device)
+    model.init_weights(args.seed)
+    optimizer = train.build_optimizer(model, args.lr, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, train.warmup_cosine(args.warmup, args.steps, args.min_lr_ratio))
+
+    loader = BatchLoader(load_tokens(args.data), args.seq_len, global_batch, batch_index, batch_ranks,
+                         args.micro_batch, seed=args.seed)
+    meter = Throughput(cfg.flops_per_token(args.seq_len), dist.get_world_size(), device)
+    if rank == 0:
+        n_params = cfg.num_params()
+        print(f"meshtron | {args.model} ({n_params / 1e6:.1f}M params) | mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))} "
+              f"| global batch {global_batch} x {args.seq_len} tokens, {loader.local_batch // loader.micro_batch} "
+              f"micro-batches of {args.micro_batch} | {loader.n_samples} samples", flush=True)
+    losses, t_start = [], time.perf_counter()
+    for step in range(1, args.steps + 1):
+        loss, norm = train.train_step(model, optimizer, scheduler, loader.next(), mesh, max_norm=args.max_norm or None,
+                                      autocast_dtype=autocast_dtype(mesh, pcfg))
+        meter.add(global_batch * args.seq_len)
+        losses.append(float(loss))
+        if rank == 0 and (step % args.log_interval == 0 or step == args.steps or step == 1):
+            m = meter.report()
+            elapsed = time.perf_counter() - t_start
+            eta = elapsed / step * (args.steps - step)
+            line = (f"step {step:>6}/{args.steps} | loss {losses[-1]:.4f} | lr {scheduler.get_last_lr()[0]:.2e} "
+                    f"| grad norm {float(norm):.3f} | {m['tokens_per_s']:,.0f} tok/s "
+                    f"({m['tokens_per_s_per_gpu']:,.0f}/gpu) | {m['tflops_per_gpu']:.2f} TFLOP/s/gpu")
+            if "mfu" in m:
+                line += f" | MFU {100 * m['mfu']:.1f}%"
+            mem = peak_memory_gib(device)
+            if mem is not None:
+                line += f" | peak mem {mem:.2f} GiB" + (" (host RSS)" if device.type == "cpu" else "")
+            line += f" | eta {eta:,.0f}s"
+            print(line, flush=True)
+    return losses
+
+
+if __name__ == "__main__":
+    if "RANK" not in os.environ:   # plain `python recipes/train_gpt.py`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29512"))
+    main()
+    dist.destroy_process_group()
