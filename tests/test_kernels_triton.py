@@ -1,0 +1,296 @@
+"""Tests of meshtron.kernels_triton: the Triton kernels against float64 references.
+
+Without a GPU the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1,
+set here before anything imports triton; conftest sets it too). With a GPU the
+same tests run the compiled kernels on CUDA tensors.
+
+Tolerances are relative norm errors ||out - ref|| / ||ref|| against float64:
+fp32 arithmetic lands near 1e-7, so fp32 must be under 1e-5; bf16 rounds every
+stored element (2^-9 relative), so bf16 must be under 1e-2.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import datetime
+import importlib
+import tempfile
+
+import torch.nn.functional as F
+from torch import nn
+
+import meshtron.kernels_triton as kt
+from meshtron.kernels_triton import BiasGeLU, LayerNorm, bias_gelu, layer_norm
+from meshtron.kernels_triton import _common
+ln_mod = importlib.import_module("meshtron.kernels_triton.layer_norm")  # the module, not the function
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+SHAPES = [(1, 3), (3, 77), (130, 1000), (257, 4099)]
+# The tanh-GeLU kernel lets exp(-2u) overflow to inf on purpose (sigmoid -> 0); numpy warns.
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+
+@pytest.fixture(autouse=True)
+def _poison():
+    """Every buffer the kernels allocate starts as NaN: unwritten elements fail the test."""
+    if DEV == "cpu" and type(ln_mod._ln_fwd_kernel).__name__ != "InterpretedFunction":
+        pytest.fail("meshtron.kernels_triton was imported before TRITON_INTERPRET=1 was set "
+                    "(set it in conftest.py before anything imports triton)")
+    _common.POISON = True
+    yield
+    _common.POISON = False
+
+
+def rel_err(out, ref):
+    out = out.double()
+    assert not torch.isnan(out).any(), "NaN in output (unwritten element?)"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def leaves(*ts):
+    return [t.detach().clone().requires_grad_() for t in ts]
+
+
+# ----------------------------------------------------------------------------- LayerNorm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_layer_norm_vs_float64(shape, dtype):
+    m, n = shape
+    g = torch.Generator().manual_seed(m * 7919 + n)
+    x = (torch.randn(m, n, generator=g) * 3 + 1).to(DEV, dtype)
+    w = (torch.randn(n, generator=g) * 0.5 + 1).to(DEV, dtype)
+    b = torch.randn(n, generator=g).to(DEV, dtype)
+    dy = torch.randn(m, n, generator=g).to(DEV, dtype)
+
+    x1, w1, b1 = leaves(x, w, b)
+    y = layer_norm(x1, w1, b1, 1e-5, impl="triton")
+    assert y.dtype == dtype and y.shape == x.shape
+    grads = torch.autograd.grad(y, (x1, w1, b1), dy)
+
+    x2, w2, b2 = leaves(x.double(), w.double(), b.double())
+    y_ref = F.layer_norm(x2, (n,), w2, b2, 1e-5)
+    refs = torch.autograd.grad(y_ref, (x2, w2, b2), dy.double())
+    for name, out, ref in zip(("y", "dx", "dw", "db"), (y, *grads), (y_ref, *refs)):
+        assert out.dtype == dtype
+        assert rel_err(out, ref) < TOL[dtype], name
+
+
+def test_layer_norm_no_bias_3d_and_mixed_dtype():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 5, 96, generator=g).to(DEV, torch.bfloat16)
+    w = torch.randn(96, generator=g).to(DEV)                      # fp32 weight, bf16 x
+    dy = torch.randn(2, 5, 96, generator=g).to(DEV, torch.bfloat16)
+    x1, w1 = leaves(x, w)
+    y = layer_norm(x1, w1, None, 1e-6, impl="triton")
+    dx, dw = torch.autograd.grad(y, (x1, w1), dy)
+    assert y.dtype == torch.bfloat16 and dx.dtype == torch.bfloat16 and dw.dtype == torch.float32
+    x2, w2 = leaves(x.double(), w.double())
+    y_ref = F.layer_norm(x2, (96,), w2, None, 1e-6)
+    rx, rw = torch.autograd.grad(y_ref, (x2, w2), dy.double())
+    assert rel_err(y, y_ref) < 1e-2 and rel_err(dx, rx) < 1e-2 and rel_err(dw, rw) < 1e-2
+
+
+def test_layer_norm_only_input_grad_and_empty():
+    x, w, b = torch.randn(4, 9, device=DEV), torch.randn(9, device=DEV), torch.randn(9, device=DEV)
+    (x1,) = leaves(x)
+    (dx,) = torch.autograd.grad(layer_norm(x1, w, b, impl="triton").sum(), (x1,))
+    (x2,) = leaves(x)
+    (rx,) = torch.autograd.grad(F.layer_norm(x2, (9,), w, b).sum(), (x2,))
+    assert rel_err(dx, rx.double()) < 1e-4
+    empty = torch.randn(0, 9, device=DEV)
+    assert layer_norm(empty, w, b, impl="triton").shape == (0, 9)
+
+
+def test_layer_norm_gradcheck_float64():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 5, generator=g, dtype=torch.float64).to(DEV).requires_grad_()
+    w = torch.randn(5, generator=g, dtype=torch.float64).to(DEV).requires_grad_()
+    b = torch.randn(5, generator=g, dtype=torch.float64).to(DEV).requires_grad_()
+    assert torch.autograd.gradcheck(lambda *a: layer_norm(*a, 1e-5, impl="triton"), (x, w, b))
+    assert torch.autograd.gradcheck(lambda x, w: layer_norm(x, w, None, 1e-5, impl="triton"), (x, w))
+
+
+# ----------------------------------------------------------------------------- bias-GeLU
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_bias_gelu_vs_float64(shape, dtype):
+    m, n = shape
+    g = torch.Generator().manual_seed(m * 31 + n)
+    x = (torch.randn(m, n, generator=g) * 3).to(DEV, dtype)
+    b = torch.randn(n, generator=g).to(DEV, dtype)
+    dy = torch.randn(m, n, generator=g).to(DEV, dtype)
+    for approx in ("tanh", "none") if n in (77, 1000) else ("tanh",):
+        x1, b1 = leaves(x, b)
+        y = bias_gelu(x1, b1, approximate=approx, impl="triton")
+        dx, db = torch.autograd.grad(y, (x1, b1), dy)
+        x2, b2 = leaves(x.double(), b.double())
+        y_ref = F.gelu(x2 + b2, approximate=approx)
+        rx, rb = torch.autograd.grad(y_ref, (x2, b2), dy.double())
+        for name, out, ref in (("y", y, y_ref), ("dx", dx, rx), ("db", db, rb)):
+            assert out.dtype == dtype
+            assert rel_err(out, ref) < TOL[dtype], (approx, name)
+
+
+def test_bias_gelu_fp16_3d_extremes_and_promotion():
+    x = torch.tensor([[-1e4, -30.0, -8.0, -1.0, 0.0, 1.0, 8.0, 30.0, 1e4]], device=DEV)
+    zeros = torch.zeros(9, device=DEV)
+    for approx in ("tanh", "none"):
+        y = bias_gelu(x, zeros, approximate=approx, impl="triton")
+        torch.testing.assert_close(y, F.gelu(x, approximate=approx), rtol=1e-5, atol=1e-6)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 40, generator=g).to(DEV, torch.float16)
+    b = torch.randn(40, generator=g).to(DEV, torch.float16)
+    assert rel_err(bias_gelu(x, b, impl="triton"), F.gelu(x.double() + b.double(), approximate="tanh")) < 2e-3
+    b32 = b.float()                      # bf16/fp16 x + fp32 bias promotes, as x + bias does
+    assert bias_gelu(x, b32, impl="triton").dtype == torch.float32
+    x1, b1 = leaves(x, b32)
+    dx, db = torch.autograd.grad(bias_gelu(x1, b1, impl="triton").sum(), (x1, b1))
+    assert dx.dtype == torch.float16 and db.dtype == torch.float32
+
+
+def test_bias_gelu_gradcheck_float64():
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(2, 5, generator=g, dtype=torch.float64) * 2).to(DEV).requires_grad_()
+    b = torch.randn(5, generator=g, dtype=torch.float64).to(DEV).requires_grad_()
+    for approx in ("tanh", "none"):
+        assert torch.autograd.gradcheck(lambda x, b: bias_gelu(x, b, approx, impl="triton"), (x, b))
+
+
+# ----------------------------------------------------------------------------- dispatch, modules
+def test_cpu_path_is_plain_pytorch():
+    x, w, b = torch.randn(4, 6, 10), torch.randn(10), torch.randn(10)
+    assert torch.equal(layer_norm(x, w, b, 1e-5), F.layer_norm(x, (10,), w, b, 1e-5))
+    assert torch.equal(layer_norm(x, w, b, 1e-5, impl="torch"), F.layer_norm(x, (10,), w, b, 1e-5))
+    assert torch.equal(bias_gelu(x, b), F.gelu(x + b, approximate="tanh"))
+    assert torch.equal(bias_gelu(x, b, "none"), F.gelu(x + b))
+    with pytest.raises(ValueError):
+        bias_gelu(x, b, "sigmoid")
+
+
+def test_modules_match_nn_layer_norm():
+    ref = nn.LayerNorm(12, eps=1e-6)
+    nn.init.normal_(ref.weight)
+    nn.init.normal_(ref.bias)
+    mod = LayerNorm(12, eps=1e-6).to(DEV)
+    assert set(mod.state_dict()) == set(ref.state_dict())
+    mod.load_state_dict(ref.state_dict())
+    x = torch.randn(3, 4, 12)
+    torch.testing.assert_close(mod(x.to(DEV)).cpu(), ref(x), rtol=1e-5, atol=1e-5)
+    nb = LayerNorm(12, bias=False)
+    assert nb.bias is None and set(nb.state_dict()) == set(nn.LayerNorm(12, bias=False).state_dict())
+    bg = BiasGeLU(12).to(DEV)
+    assert torch.equal(bg(x.to(DEV)).cpu(), F.gelu(x, approximate="tanh")) or DEV == "cuda"
+    assert kt.__all__ == ["bias_gelu", "layer_norm", "LayerNorm", "BiasGeLU"]
+
+
+def _block(x, w, b, fc_bias):
+    h = layer_norm(x, w, b, 1e-5, impl="triton")
+    return bias_gelu(h * 2.0, fc_bias, impl="triton")
+
+
+def _grads_of(fn, x, w, b, c):
+    args = leaves(x, w, b, c)
+    out = fn(*args)
+    grads = torch.autograd.grad((out * out).sum(), args)
+    return out.detach(), grads
+
+
+def test_torch_compile_fullgraph_and_checkpoint():
+    torch.manual_seed(5)
+    x, w, b, c = (torch.randn(6, 33, device=DEV), torch.randn(33, device=DEV),
+                  torch.randn(33, device=DEV), torch.randn(33, device=DEV))
+    out, grads = _grads_of(_block, x, w, b, c)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(_block, backend="aot_eager", fullgraph=True)
+    out_c, grads_c = _grads_of(compiled, x, w, b, c)
+    torch._dynamo.reset()
+    torch.testing.assert_close(out_c, out)
+    for a, r in zip(grads_c, grads):
+        torch.testing.assert_close(a, r)
+
+    def ckpt(*a):
+        return torch.utils.checkpoint.checkpoint(_block, *a, use_reentrant=False)
+    out_k, grads_k = _grads_of(ckpt, x, w, b, c)
+    torch.testing.assert_close(out_k, out)
+    for a, r in zip(grads_k, grads):
+        torch.testing.assert_close(a, r)
+
+
+# ----------------------------------------------------------------------------- DTensor (2 ranks, gloo)
+def _dtensor_worker(rank, world, store_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        tp = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        dp2 = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))   # 2-D meshes,
+        tp2 = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))   # either axis real
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(2, 6, 5, generator=g)       # (batch, seq, hidden); hidden 5 shards 3/2
+        w, b, dy = torch.randn(5, generator=g), torch.randn(5, generator=g), torch.randn(2, 6, 5, generator=g)
+
+        def ref(fn, *ts):
+            ls = leaves(*ts)
+            out = fn(*ls)
+            return out.detach(), torch.autograd.grad(out, ls, dy)
+
+        def run(fn, mesh, xpl, params):
+            xd = distribute_tensor(x, mesh, xpl).requires_grad_()
+            pds = [distribute_tensor(t, pm, ppl).requires_grad_() for t, pm, ppl in params]
+            y = fn(xd, *pds)
+            assert tuple(y.placements) == tuple(xpl), (y.placements, xpl)
+            y.backward(distribute_tensor(dy, mesh, xpl))
+            return y.full_tensor(), [xd.grad.full_tensor()] + [p.grad.full_tensor() for p in pds]
+
+        def close(got, want):
+            out, grads = got
+            r_out, r_grads = want
+            torch.testing.assert_close(out, r_out, rtol=1e-5, atol=1e-5)
+            for a, r in zip(grads, r_grads):
+                torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
+
+        R, S0, S1, S2 = Replicate(), Shard(0), Shard(1), Shard(2)
+        ln_ref = ref(lambda x, w, b: F.layer_norm(x, (5,), w, b, 1e-5), x, w, b)
+        bg_ref = ref(lambda x, b: F.gelu(x + b, approximate="tanh"), x, b)
+        for impl in ("torch", "triton"):
+            def ln(x, w, b):
+                return layer_norm(x, w, b, 1e-5, impl=impl)
+
+            def bg(x, b):
+                return bias_gelu(x, b, impl=impl)
+            # sequence parallel: x Shard(seq), weight and bias Replicate -> Partial grads
+            close(run(ln, tp, [S1], [(w, tp, [R]), (b, tp, [R])]), ln_ref)
+            # 2-D mesh, batch on dp and sequence on tp; weights on the 2-D mesh and on the tp
+            # submesh (whose gradient then holds no dp sum: FSDP/DDP do that one)
+            close(run(ln, dp2, [S0, S1], [(w, dp2, [R, R]), (b, dp2, [R, R])]), ln_ref)
+            close(run(ln, tp2, [S0, S1], [(w, tp2, [R, R]), (b, tp2["tp"], [R])]), ln_ref)
+            # column parallel: x Shard(-1) (uneven 3/2), bias Shard(0)
+            close(run(bg, tp, [S2], [(b, tp, [S0])]), bg_ref)
+            # bias replicated while x is column sharded: the bias is sliced locally
+            close(run(bg, tp, [S2], [(b, tp, [R])]), bg_ref)
+            # sequence parallel bias-GeLU: bias grad is a partial sum over tp
+            close(run(bg, tp, [S1], [(b, tp, [R])]), bg_ref)
+        try:
+            run(lambda x, w: layer_norm(x, w, None), tp, [S2], [(w, tp, [R])])
+            raise AssertionError("LayerNorm over a sharded hidden dim must raise")
+        except ValueError:
+            pass
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dtensor_two_ranks_gloo():
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_dtensor_worker, args=(2, os.path.join(d, "store")), nprocs=2, join=True)
