@@ -11,6 +11,7 @@ Every step is skipped when its axis has size 1, so an unused axis costs nothing.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshtron.data_parallel import DTYPES, apply_fsdp
 from meshtron.mesh import check_model_fits, degree
 from meshtron.recompute import apply_recompute
+from meshtron.tensor_parallel import apply_gpt_tp
 
 
 @dataclass
@@ -28,12 +30,16 @@ class ParallelConfig:
     hsdp: int = 1                 # replicas of HSDP (1 = plain FSDP over all dp ranks)
     param_dtype: str = "fp32"     # compute dtype; master weights stay fp32
     reduce_dtype: str = "fp32"    # gradient reduction dtype
+    sp: bool = False              # sequence parallelism (with tp > 1)
+    loss_parallel: bool = True    # cross-entropy on vocab-sharded logits (with tp > 1)
     recompute: str = "none"       # none | full | selective
     compile: bool = False
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig = ParallelConfig()) -> nn.Module:
     check_model_fits({a: degree(mesh, a) for a in ("dp", "pp", "cp", "tp", "ep")}, getattr(model, "config", None))
+    if degree(mesh, "tp") > 1:
+        apply_gpt_tp(model, mesh, cfg.sp, cfg.loss_parallel)
     if cfg.recompute != "none":
         apply_recompute(model, cfg.recompute)
     if cfg.compile:
@@ -42,6 +48,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig = Parall
     if degree(mesh, "dense_dp") > 1:
         apply_fsdp(model, mesh, cfg.zero_stage, cfg.hsdp, cfg.param_dtype, cfg.reduce_dtype)
     return model
+
+
+def loss_context(mesh: DeviceMesh, cfg: ParallelConfig):
+    """The context the loss must run in: loss_parallel when logits stay vocab-sharded."""
+    from torch.distributed.tensor.parallel import loss_parallel
+    return loss_parallel if degree(mesh, "tp") > 1 and cfg.loss_parallel else contextlib.nullcontext
 
 
 def autocast_dtype(mesh: DeviceMesh, cfg: ParallelConfig) -> torch.dtype | None:

@@ -22,7 +22,7 @@ from meshtron import ParallelConfig, degree, init_mesh, parallelize, train  # no
 from meshtron.data import BatchLoader, load_tokens  # noqa: E402
 from meshtron.metrics import Throughput, peak_memory_gib  # noqa: E402
 from meshtron.models import GPT, gpt_config  # noqa: E402
-from meshtron.parallelize import autocast_dtype  # noqa: E402
+from meshtron.parallelize import autocast_dtype, loss_context  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -31,6 +31,8 @@ def parse_args(argv=None):
     p.add_argument("--pos-emb", choices=["learned", "rope"], default=None)
     for axis in ("dp", "pp", "cp", "tp", "ep"):
         p.add_argument(f"--{axis}", type=int, default=-1 if axis == "dp" else 1, help=f"{axis} degree")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp > 1)")
+    p.add_argument("--no-loss-parallel", action="store_true", help="gather the logits instead of a vocab-parallel loss")
     p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage over the dp axes")
     p.add_argument("--hsdp", type=int, default=1, help="HSDP replica groups (1 = plain FSDP)")
     p.add_argument("--recompute", choices=["none", "full", "selective"], default="none")
@@ -72,7 +74,8 @@ def main(argv=None) -> list[float]:
     with torch.device("meta"):
         model = GPT(cfg, seed=None)
     pcfg = ParallelConfig(zero_stage=args.zero, hsdp=args.hsdp, param_dtype=args.dtype, reduce_dtype=args.reduce_dtype,
-                          recompute=args.recompute, compile=args.compile)
+                          sp=args.sp, loss_parallel=not args.no_loss_parallel, recompute=args.recompute,
+                          compile=args.compile)
     model = parallelize(model, mesh, pcfg)
     model.to_empty(device=device)
     model.init_weights(args.seed)
@@ -90,7 +93,7 @@ def main(argv=None) -> list[float]:
     losses, t_start = [], time.perf_counter()
     for step in range(1, args.steps + 1):
         loss, norm = train.train_step(model, optimizer, scheduler, loader.next(), mesh, max_norm=args.max_norm or None,
-                                      autocast_dtype=autocast_dtype(mesh, pcfg))
+                                      autocast_dtype=autocast_dtype(mesh, pcfg), loss_context=loss_context(mesh, pcfg))
         meter.add(global_batch * args.seq_len)
         losses.append(float(loss))
         if rank == 0 and (step % args.log_interval == 0 or step == args.steps or step == 1):

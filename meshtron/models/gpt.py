@@ -128,11 +128,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.type_as(x)
 
 
+class CoreAttention(nn.Module):
+    """softmax(q k^T / sqrt(d) + causal mask) v, with attention dropout. A module of
+    its own (no parameters) so that layouts can give it its own RNG region."""
+
+    def __init__(self, dropout: float):
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.dropout = cfg.dropout
+        self.core = CoreAttention(cfg.dropout)
         self.rope_theta = cfg.rope_theta if cfg.pos_emb == "rope" else None
         self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=cfg.bias)
         self.proj = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
@@ -145,7 +157,7 @@ class Attention(nn.Module):
         if self.rope_theta is not None:
             cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = self.core(q, k, v)
         y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_dropout(self.proj(y))
 
@@ -221,7 +233,7 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 full = torch.ones(p.shape, dtype=torch.float32)
-            elif name.endswith(".bias") or name.endswith("norm.bias"):
+            elif name.endswith(".bias"):
                 full = torch.zeros(p.shape, dtype=torch.float32)
             else:
                 g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
