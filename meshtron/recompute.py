@@ -32,7 +32,7 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
         raise ValueError(f"recompute must be one of {MODES}, not {mode!r}")
     if mode == "none":
         return model
-    kwargs = {"preserve_rng_state": True, "use_reentrant": False}
+    kwargs = {"preserve_rng_state": True}   # checkpoint_wrapper picks the non-reentrant form
     if mode == "selective":
         kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _selective_policy)
     for name, block in model.layers.items():
