@@ -61,3 +61,42 @@ class Throughput:
             out["mfu"] = tflops / self.peak
         self.reset()
         return out
+
+
+class SavedActivations:
+    """Live and peak bytes of tensors autograd saved for backward, on any device.
+
+    Each saved tensor is wrapped in a holder whose lifetime is the autograd
+    graph's: it counts on pack and uncounts when the graph frees it after
+    backward. Tensors saved twice are counted twice (an upper bound), and
+    parameters saved for backward are counted too: compare runs of one model.
+    """
+
+    def __init__(self):
+        self.live = self.peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t):
+        tracker = self
+
+        class Holder:
+            def __init__(self, t):
+                self.t, self.nbytes = t, t.numel() * t.element_size()
+                tracker.live += self.nbytes
+                tracker.peak = max(tracker.peak, tracker.live)
+
+            def __del__(self):
+                tracker.live -= self.nbytes
+
+        return Holder(t)
+
+    @staticmethod
+    def _unpack(h):
+        return h.t
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)

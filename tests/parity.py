@@ -56,8 +56,9 @@ class ParityReport:
 def run_parity(mesh, build_model, parallelize, batches, *, micro_batches: int = 1, lr: float = 1e-3,
                max_norm: float | None = None, forward_backward=None, fb_kwargs=None, ref_fb_kwargs=None) -> ParityReport:
     """batches: list of global (x, y) batches, one per optimizer step.
-    parallelize(model, mesh) -> model under the layout. forward_backward defaults
-    to meshtron.train.forward_backward (pipeline parallelism passes its own)."""
+    parallelize(model, mesh) -> model under the layout. forward_backward runs the
+    parallel side (default meshtron.train.forward_backward; pipeline parallelism
+    passes its own); the reference always runs the plain one."""
     forward_backward = forward_backward or train.forward_backward
     report = ParityReport()
 
@@ -77,7 +78,7 @@ def run_parity(mesh, build_model, parallelize, batches, *, micro_batches: int = 
 
     for x, y in batches:
         # reference: the whole global batch at once, one process
-        ref_loss = forward_backward(ref, [(x, y)], None, **(ref_fb_kwargs or {}))
+        ref_loss = train.forward_backward(ref, [(x, y)], None, **(ref_fb_kwargs or {}))
         ref_grads = {n: p.grad.detach().float().clone() for n, p in ref.named_parameters()}
         # a gradient that is zero in exact arithmetic (a key bias: softmax ignores a
         # per-row shift) is pure rounding noise, and noise has no relative error:

@@ -150,8 +150,10 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        B, T = x.shape[0], x.shape[1]
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        B, T = x.shape[0], x.shape[1]      # the full sequence: under SP the input was all-gathered
+        if positions is None:
+            positions = torch.arange(T, device=x.device)
         qkv_bthd = self.qkv(x).view(B, T, -1, 3, self.head_dim)      # -1: local heads under TP
         q, k, v = (t.transpose(1, 2) for t in qkv_bthd.unbind(3))     # (B, H, T, hd)
         if self.rope_theta is not None:
@@ -181,7 +183,7 @@ class Block(nn.Module):
         self.mlp_norm = LayerNorm(cfg.dim, cfg.norm_eps, cfg.bias, cfg.fused_kernels)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, positions):
+    def forward(self, h, positions=None):
         h = h + self.attn(self.attn_norm(h), positions)
         return h + self.mlp(self.mlp_norm(h))
 
@@ -203,16 +205,15 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, vocab). A pipeline stage that lost
-        its embedding takes hidden states (B, T, dim) instead; one that lost its
-        output returns hidden states."""
-        T = tokens.shape[1]
-        if positions is None:
-            positions = torch.arange(T, device=tokens.device)
+        its embedding takes hidden states (B, T, dim) instead (T may be a sequence-
+        parallel slice, so positions default to 0..T-1 where the full T is known);
+        one that lost its output returns hidden states."""
         h = tokens
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(tokens)
             if self.pos_embeddings is not None:
-                h = h + self.pos_embeddings(positions)
+                pos = positions if positions is not None else torch.arange(tokens.shape[1], device=tokens.device)
+                h = h + self.pos_embeddings(pos)
             h = self.emb_dropout(h)
         for layer in self.layers.values():
             h = layer(h, positions)
@@ -236,7 +237,9 @@ class GPT(nn.Module):
             elif name.endswith(".bias"):
                 full = torch.zeros(p.shape, dtype=torch.float32)
             else:
-                g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                # a pipeline stage's untied copy of a tied output head draws the embedding's values
+                key = "tok_embeddings.weight" if name == "output.weight" and self.config.tie_embeddings else name
+                g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
                 s = out_std if name.endswith(("attn.proj.weight", "mlp.fc2.weight")) else std
                 full = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, s, generator=g)
             _copy_full_into(p, full)
