@@ -127,8 +127,10 @@ def warmup_cosine(warmup: int, total: int, min_ratio: float = 0.1):
     return f
 
 
-def train_step(model, optimizer, scheduler, micro_batches, mesh, *, max_norm=None, **fb_kwargs):
-    loss = forward_backward(model, micro_batches, mesh, **fb_kwargs)
+def train_step(model, optimizer, scheduler, micro_batches, mesh, *, max_norm=None, forward_backward=forward_backward):
+    """One optimizer step. `forward_backward(model, micro_batches, mesh)` is the
+    plain one, or the pipeline schedule's for a model split into stages."""
+    loss = forward_backward(model, micro_batches, mesh)
     norm = clip_grad_norm_(model.parameters(), max_norm, mesh)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,7 @@ from meshtron.data import BatchLoader, load_tokens  # noqa: E402
 from meshtron.metrics import Throughput, peak_memory_gib  # noqa: E402
 from meshtron.models import GPT, gpt_config  # noqa: E402
 from meshtron.parallelize import autocast_dtype, loss_context  # noqa: E402
+from meshtron.pipeline_parallel import pipeline_forward_backward, split_model  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -33,6 +35,10 @@ def parse_args(argv=None):
         p.add_argument(f"--{axis}", type=int, default=-1 if axis == "dp" else 1, help=f"{axis} degree")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp > 1)")
     p.add_argument("--no-loss-parallel", action="store_true", help="gather the logits instead of a vocab-parallel loss")
+    p.add_argument("--pp-schedule", default="1f1b", help="gpipe, 1f1b, interleaved-1f1b, zero-bubble, zbv")
+    p.add_argument("--pp-virtual", type=int, default=1, help="virtual stages per pp rank (interleaved schedules)")
+    p.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default: pp)")
+    p.add_argument("--untie-embeddings", action="store_true", help="separate output head (needed with --pp > 1)")
     p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage over the dp axes")
     p.add_argument("--hsdp", type=int, default=1, help="HSDP replica groups (1 = plain FSDP)")
     p.add_argument("--recompute", choices=["none", "full", "selective"], default="none")
@@ -55,9 +61,28 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def build(model, mesh, pcfg, args, device, microbatches):
+    """Parallelize the (meta-device) model, materialize and initialize it; return
+    it (or this rank's pipeline stages) and its forward-backward function."""
+    if degree(mesh, "pp") > 1:
+        model = split_model(model, mesh, args.pp_schedule, args.pp_virtual, microbatches)
+        modules = model.stages
+        fb = partial(pipeline_forward_backward, loss_fn=train.cross_entropy, loss_context=loss_context(mesh, pcfg))
+    else:
+        modules = [model]
+        fb = partial(train.forward_backward, autocast_dtype=autocast_dtype(mesh, pcfg), loss_context=loss_context(mesh, pcfg))
+    for m in modules:
+        parallelize(m, mesh, pcfg)
+        m.to_empty(device=device)
+        m.init_weights(args.seed)   # values keyed by parameter name: the same under any layout
+    return model, fb
+
+
 def main(argv=None) -> list[float]:
     args = parse_args(argv)
     overrides = {"fused_kernels": not args.no_fused_kernels}
+    if args.untie_embeddings:
+        overrides["tie_embeddings"] = False
     if args.pos_emb:
         overrides["pos_emb"] = args.pos_emb
     cfg = gpt_config(args.model, **overrides)
@@ -68,7 +93,9 @@ def main(argv=None) -> list[float]:
     device = torch.device(mesh.device_type, torch.cuda.current_device() if mesh.device_type == "cuda" else 0) \
         if mesh.device_type == "cuda" else torch.device("cpu")
     batch_index, batch_ranks = train.batch_slice(mesh)
-    global_batch = args.global_batch or args.micro_batch * batch_ranks
+    pp = degree(mesh, "pp")
+    microbatches = args.microbatches or (pp if pp > 1 else 1)
+    global_batch = args.global_batch or args.micro_batch * microbatches * batch_ranks
 
     torch.manual_seed(args.seed)
     with torch.device("meta"):
@@ -76,14 +103,15 @@ def main(argv=None) -> list[float]:
     pcfg = ParallelConfig(zero_stage=args.zero, hsdp=args.hsdp, param_dtype=args.dtype, reduce_dtype=args.reduce_dtype,
                           sp=args.sp, loss_parallel=not args.no_loss_parallel, recompute=args.recompute,
                           compile=args.compile)
-    model = parallelize(model, mesh, pcfg)
-    model.to_empty(device=device)
-    model.init_weights(args.seed)
+    model, fb = build(model, mesh, pcfg, args, device, microbatches)
     optimizer = train.build_optimizer(model, args.lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, train.warmup_cosine(args.warmup, args.steps, args.min_lr_ratio))
 
     loader = BatchLoader(load_tokens(args.data), args.seq_len, global_batch, batch_index, batch_ranks,
                          args.micro_batch, seed=args.seed)
+    if pp > 1 and loader.local_batch != microbatches * loader.micro_batch:
+        raise ValueError(f"with --pp the local batch {loader.local_batch} must be --microbatches {microbatches} "
+                         f"x --micro-batch {loader.micro_batch}")
     meter = Throughput(cfg.flops_per_token(args.seq_len), dist.get_world_size(), device)
     if rank == 0:
         n_params = cfg.num_params()
@@ -93,7 +121,7 @@ def main(argv=None) -> list[float]:
     losses, t_start = [], time.perf_counter()
     for step in range(1, args.steps + 1):
         loss, norm = train.train_step(model, optimizer, scheduler, loader.next(), mesh, max_norm=args.max_norm or None,
-                                      autocast_dtype=autocast_dtype(mesh, pcfg), loss_context=loss_context(mesh, pcfg))
+                                      forward_backward=fb)
         meter.add(global_batch * args.seq_len)
         losses.append(float(loss))
         if rank == 0 and (step % args.log_interval == 0 or step == args.steps or step == 1):
@@ -110,6 +138,12 @@ def main(argv=None) -> list[float]:
                 line += f" | peak mem {mem:.2f} GiB" + (" (host RSS)" if device.type == "cpu" else "")
             line += f" | eta {eta:,.0f}s"
             print(line, flush=True)
+    if pp > 1:  # memory differs by stage: the first holds the most micro-batches in flight
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, (model.stage_ids, peak_memory_gib(device)))
+        if rank == 0:
+            for r, (ids, mem) in enumerate(per_rank):
+                print(f"rank {r} stages {ids}: peak mem {mem:.2f} GiB" + (" (host RSS)" if device.type == "cpu" else ""))
     return losses
 
 
