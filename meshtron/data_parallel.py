@@ -40,18 +40,25 @@ def dp_mesh_for(mesh: DeviceMesh, zero_stage: int, hsdp: int = 1) -> DeviceMesh:
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, not {zero_stage}")
     n = degree(mesh, "dense_dp")
-    replicate = n if zero_stage == 0 else hsdp
     if hsdp < 1 or n % hsdp:
         raise ValueError(f"hsdp={hsdp} replicas must divide the dense data-parallel size dp*cp*ep={n}")
     if zero_stage == 0 and hsdp not in (1, n):
         raise ValueError("zero 0 (DDP) replicates across all data-parallel ranks; do not combine it with --hsdp")
+    replicate = n if zero_stage == 0 else hsdp
     flat = submesh(mesh, "dense_dp")
     if replicate == 1:
         return flat
-    names = ("dp_replicate", "dp_shard")
-    if hasattr(flat, "_unflatten"):
-        return flat._unflatten(0, (replicate, n // replicate), names)
-    return DeviceMesh(flat.device_type, flat.mesh.view(replicate, n // replicate), mesh_dim_names=names)
+    # new process groups cost a rendezvous: keep the 2-D mesh with the one mesh,
+    # as submesh() keeps its flattened ones
+    cache = mesh.__dict__.setdefault("_meshtron_flat", {})
+    key = f"dense_dp_{replicate}x{n // replicate}"
+    if key not in cache:
+        names = ("dp_replicate", "dp_shard")
+        if hasattr(flat, "_unflatten"):
+            cache[key] = flat._unflatten(0, (replicate, n // replicate), names)
+        else:
+            cache[key] = DeviceMesh(flat.device_type, flat.mesh.view(replicate, n // replicate), mesh_dim_names=names)
+    return cache[key]
 
 
 def mp_policy(param_dtype: str = "bf16", reduce_dtype: str = "fp32") -> MixedPrecisionPolicy:
@@ -77,6 +84,21 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, zero_stage: int = 3, hsdp: in
 
 
 def set_grad_sync(model: nn.Module, is_last_micro_batch: bool) -> None:
-    """ZeRO-1 and DDP defer gradient reduction to the last micro-batch."""
-    if isinstance(model, FSDPModule) and getattr(model, "_meshtron_zero_stage", 3) in (0, 1):
+    """Tell FSDP what the coming micro-batch's backward should communicate.
+
+    zero 0, 1: no reduction before the last micro-batch: unsharded gradients
+      accumulate locally and are reduced once (all-reduce / reduce-scatter);
+    zero 2, 3 under HSDP: reduce-scatter every micro-batch (the point of ZeRO-2),
+      but all-reduce across replicas once, on the summed shards;
+    zero 0, 1, 2: keep the gathered parameters until the last micro-batch, so
+      they are all-gathered once per step; zero 3 gathers them again each time.
+    """
+    if not isinstance(model, FSDPModule):
+        return
+    stage = getattr(model, "_meshtron_zero_stage", 3)
+    if stage in (0, 1):
         model.set_requires_gradient_sync(is_last_micro_batch)
+    else:
+        model.set_requires_all_reduce(is_last_micro_batch)   # no-op without a replicate axis
+    if stage in (0, 1, 2):
+        model.set_reshard_after_backward(is_last_micro_batch)

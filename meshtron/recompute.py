@@ -7,7 +7,17 @@ memory per layer ~ one (B, T, d) tensor).
 selective: matmul outputs are saved, everything cheap is recomputed: the
 element-wise ops (LayerNorm, GeLU, dropout, residual adds) and attention's
 softmax/score path (sdpa), which is where the O(T^2) memory is. The policy
-saves the outputs of aten.mm/addmm/bmm and recomputes the rest.
+saves the outputs of aten.mm/addmm/bmm (and of tensor-parallel reductions, so
+recomputing a block does not communicate again) and recomputes the rest.
+
+Each block's class is swapped for a subclass whose forward runs the original
+one under torch.utils.checkpoint (FSDP2's own trick for FSDPModule): the
+module tree, and so the parameter names, stay as they are. GPT.init_weights
+seeds each parameter by its name and checkpoints are keyed by it; a wrapper
+module (checkpoint_wrapper) would rename every block parameter. Hooks on the
+block (torch's composable checkpoint) are not an option either: recomputation
+would re-run FSDP's hooks inside the selective-recompute region, which then
+refuses ops it did not see in forward.
 """
 from __future__ import annotations
 
@@ -15,16 +25,24 @@ from functools import partial
 
 import torch
 import torch.nn as nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 MODES = ("none", "full", "selective")
 
-_SAVE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+_SAVE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+         torch.ops._c10d_functional.all_reduce.default, torch.ops._c10d_functional.reduce_scatter_tensor.default}
 
 
 def _selective_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _recomputed(cls: type, context_fn) -> type:
+    """A subclass of cls whose forward keeps only its inputs and recomputes in backward."""
+    def forward(self, *args, **kwargs):
+        return checkpoint(cls.forward, self, *args, use_reentrant=False, preserve_rng_state=True,
+                          context_fn=context_fn, **kwargs)
+    return type(f"Recomputed{cls.__name__}", (cls,), {"forward": forward})
 
 
 def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
@@ -32,9 +50,12 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
         raise ValueError(f"recompute must be one of {MODES}, not {mode!r}")
     if mode == "none":
         return model
-    kwargs = {"preserve_rng_state": True}   # checkpoint_wrapper picks the non-reentrant form
-    if mode == "selective":
-        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _selective_policy)
-    for name, block in model.layers.items():
-        model.layers[name] = checkpoint_wrapper(block, **kwargs)
+    context_fn = partial(create_selective_checkpoint_contexts, _selective_policy) if mode == "selective" \
+        else noop_context_fn
+    classes = {}
+    for block in model.layers.values():
+        cls = type(block)
+        if cls not in classes:
+            classes[cls] = _recomputed(cls, context_fn)
+        block.__class__ = classes[cls]
     return model
