@@ -1,27 +1,38 @@
 """Data parallelism: DDP and ZeRO-1/2/3 through FSDP2, HSDP, mixed precision.
 
 Every stage is one `fully_shard` call per transformer block plus one on the
-root, over the dense data-parallel sub-mesh dp x cp x ep (see mesh.py):
+root, over the dense data-parallel sub-mesh dp x cp x ep (see mesh.py). Per
+step of M micro-batches, per rank (P params, n ranks, elements):
 
-    zero  FSDP2 setting                               per step, per rank (P params, n ranks)
-    ----  ------------------------------------------  -----------------------------------------------
-    0     2-D mesh (replicate=n, shard=1): DDP         all-reduce grads: 2P(n-1)/n
-    1     shard=n, reshard_after_forward=False,       all-gather P(n-1)/n once + reduce-scatter
-          grads kept unsharded across micro-batches   P(n-1)/n once (after the last micro-batch)
-    2     shard=n, reshard_after_forward=False        all-gather once + reduce-scatter per micro-batch
-    3     shard=n, reshard_after_forward=True         all-gather in forward and again in backward
-                                                      + reduce-scatter: 3P(n-1)/n
+    zero  FSDP2 setting                                  communication
+    ----  ---------------------------------------------  ------------------------------------------
+    0     2-D mesh (replicate=n, shard=1): DDP            one all-reduce, after the last micro-batch:
+                                                         2P(n-1)/n
+    1     shard=n, no reduction before the last           one all-gather + one reduce-scatter:
+          micro-batch (unsharded grads accumulate)       2P(n-1)/n
+    2     shard=n, reduce-scatter every micro-batch       one all-gather + M reduce-scatters
+    3     shard=n, reshard_after_forward=True            per micro-batch: all-gather in forward and
+                                                         backward + reduce-scatter: ~3P(n-1)/n
 
-FSDP2 always keeps gradients sharded after their reduce-scatter, so ZeRO-1 is
-expressed by its nearest faithful equivalent: unsharded gradients accumulate
-locally over micro-batches and are reduce-scattered once, while the optimizer
-state and the parameters' fp32 master copy are sharded. Its at-rest memory is
-therefore that of ZeRO-2; the difference from ZeRO-2 is communication (one
-reduce-scatter per step instead of one per micro-batch). README has the table.
+Stages 0-2 keep the gathered weights from the first forward to the last
+backward of the step (one all-gather per step); zero 3 gathers them per use.
+
+FSDP2 always reduce-scatters gradients into shards and keeps a sharded fp32
+master next to the weights it computes with, so ZeRO-1 (grads whole, optimizer
+state sharded) is expressed by its nearest faithful equivalent: unsharded
+gradients accumulate locally over micro-batches and are reduce-scattered once,
+while the optimizer state and the master weights are sharded. It holds
+8P + 12P/n bytes (fp32) while accumulating and 16P/n after the reduction; ZeRO-1
+proper holds 8P + 8P/n throughout. README has the memory table; the tests
+measure it.
 
 HSDP (`hsdp=R`): the dense dp group is split into R replicas x (n/R) shards;
-parameters are sharded inside a replica (keep it inside a node) and gradients
-all-reduced across replicas.
+parameters are sharded inside a replica (keep it inside a node) and the
+gradient shards all-reduced across replicas once per step.
+
+Mixed precision: fp32 master weights (FSDP's shards), weights cast to
+param_dtype before the all-gather, gradients reduced (and accumulated) in
+reduce_dtype, fp32 by default as in Megatron.
 """
 from __future__ import annotations
 
