@@ -87,11 +87,14 @@ CLIP_CASES = {"zero3-dp4": (ParallelConfig(zero_stage=3), {"dp": 4}),
 def test_clipping_by_global_norm_matches_one_process(pools, case):
     pcfg, degrees = CLIP_CASES[case]
     max_norm = 0.05
-    for ref_norm, norm, after, err in pools.run(4, _clipping, pcfg, max_norm, degrees):
+    results = pools.run(4, _clipping, pcfg, max_norm, degrees)
+    for ref_norm, norm, after, err in results:
         assert ref_norm > 10 * max_norm                       # clipping is active, by a lot
         assert abs(norm - ref_norm) / ref_norm < FP32_TOL       # the norm logged is the global one
         assert abs(after - max_norm) / max_norm < FP32_TOL      # each parameter counted once
         assert err < FP32_TOL
+    print(f"\n{case}: global norm {results[0][0]:.4f} (one process) vs {results[0][1]:.4f}, clipped grads "
+          f"err {max(r[3] for r in results):.1e}", end="")
     # and over 3 optimizer steps with 2 micro-batches
     _report(f"{case}, clipped to {max_norm}, 2 micro-batches",
             assert_parity(pools.run(4, _parity, pcfg, 2, max_norm, degrees), FP32_TOL))
@@ -301,20 +304,22 @@ def _bf16_vs_fp32(rank, world, pcfg):
 @pytest.mark.parametrize("reduce_dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("world,zero", [(2, 3), (4, 1)])
 def test_bf16_training_matches_one_process_within_bf16_error(pools, world, zero, reduce_dtype):
-    """Tolerance: twice what bf16 compute itself costs, measured here on one process.
-    bf16 keeps 8 significant bits (a rounding errs by up to 2^-9 = 2e-3); the
-    gradients of LayerNorm weights are sums over tokens with cancellation, so
-    their norm-relative errors reach ~1e-2 on one process already. Splitting the
-    batch over ranks changes which bf16 partial sums get rounded, not how many,
-    and fp32 reduction adds no error of its own; bf16 reduction adds one rounding."""
+    """Tolerance: twice what bf16 compute costs on one process, measured here on the
+    same model, data and metrics. bf16 keeps 8 significant bits (a rounding errs
+    by up to 2^-9 = 2e-3), and the gradients of LayerNorm weights are sums over
+    tokens with cancellation, so their norm-relative error reaches ~1e-2 on one
+    process already. Data parallelism must add nothing of that order: it only
+    moves where bf16 partial sums are rounded, fp32 reduction adds no error of its
+    own and bf16 reduction one rounding per gradient."""
     pcfg = ParallelConfig(zero_stage=zero, param_dtype="bf16", reduce_dtype=reduce_dtype)
     results = pools.run(world, _bf16_vs_fp32, pcfg)
-    floor, dist_bf16 = (max((r[i] for r in results), key=lambda rep: rep.worst) for i in (0, 1))
     for metric in ("loss", "grad", "param", "grad_norm"):
-        assert getattr(dist_bf16, metric) <= 2 * getattr(floor, metric), (metric, dist_bf16, floor)
-    assert dist_bf16.grad > 100 * FP32_TOL    # bf16 compute really happened
-    _report(f"bf16 one process vs fp32", floor)
-    _report(f"bf16 zero {zero} dp={world} reduce {reduce_dtype} vs fp32", dist_bf16)
+        floor, got = (max(getattr(r[i], metric) for r in results) for i in (0, 1))
+        assert got <= 2 * floor, (metric, got, floor)
+    assert min(r[1].grad for r in results) > 100 * FP32_TOL    # bf16 compute really happened
+    _report("bf16 one process vs fp32", max((r[0] for r in results), key=lambda rep: rep.worst))
+    _report(f"bf16 zero {zero} dp={world} reduce {reduce_dtype} vs fp32",
+            max((r[1] for r in results), key=lambda rep: rep.worst))
 
 
 # ---- 2-D: FSDP over dp on top of TP over tp ---------------------------------------------
