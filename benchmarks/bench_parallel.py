@@ -145,7 +145,7 @@ def stock_tp(model, tp_mesh, compile_: bool):
     parallelize_module(model, tp_mesh, plan)
     if compile_:
         for name, block in model.layers.items():
-            model.layers[name] = torch.compile(block)
+            block.compile()   # in place, as meshtron.parallelize does
     return model
 
 
@@ -155,7 +155,7 @@ def stock_fsdp(model, dp_mesh, compile_: bool):
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if compile_:
         for name, block in model.layers.items():
-            model.layers[name] = torch.compile(block)
+            block.compile()   # in place, as meshtron.parallelize does
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, mp_policy=mp)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
