@@ -116,16 +116,25 @@ if HAVE_TRITON:
 
 def sum_partials(p1: torch.Tensor, dtype1: torch.dtype,
                  p2: Optional[torch.Tensor] = None, dtype2: Optional[torch.dtype] = None):
-    """Column sums of one or two fp32 (or fp64) (P, N) partial buffers, in one launch."""
+    """Column sums of one or two fp32 (or fp64) (P, N) partial buffers, in one launch.
+
+    (Two ``torch.sum`` + casts measured slower on an H200: ~11 µs a reduce kernel
+    against ~3 µs for this one, and no less host time.)
+    """
     n_part, n = p1.shape
     out1 = new_empty(n, dtype1, p1.device)
     out2 = new_empty(n, dtype2, p1.device) if p2 is not None else out1
-    block_n = min(64, triton.next_power_of_2(n))
-    block_p = 16 if interpreting() else 64
+    # Each program sums a column slab (P x BLOCK_N), all P rows in one load when
+    # P <= 512, so the few MB of partials are read in a single latency.
+    block_p = min(512, triton.next_power_of_2(n_part))
+    block_n = min(128, max(16, 8192 // block_p))
+    num_warps = 8
+    if interpreting():   # few programs: the interpreter pays per program
+        block_n, block_p, num_warps = min(1024, triton.next_power_of_2(n)), 16, 4
     grid = (triton.cdiv(n, block_n),)
     _sum_partials_kernel[grid](p1, p2 if p2 is not None else p1, out1, out2, n_part, n,
                                HAS_2=p2 is not None, BLOCK_P=block_p, BLOCK_N=block_n,
-                               num_warps=4)
+                               num_warps=num_warps)
     return out1, (out2 if p2 is not None else None)
 
 

@@ -103,12 +103,11 @@ def fwd_config(n: int) -> tuple[int, int, int]:
 
 def bwd_config(n: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, programs per SM) of the backward, by hidden size."""
-    block_n = min(512, triton.next_power_of_2(n))
+    block_n = min(1024, triton.next_power_of_2(n))
     if interpreting():
-        block_n = min(1024, triton.next_power_of_2(n))
         return max(1, 16384 // block_n), block_n, 4, 2
-    block_m = max(1, 4096 // block_n)
-    return block_m, block_n, 8, 2
+    block_m = max(1, 2048 // block_n)
+    return block_m, block_n, 4, 8
 
 
 def bias_gelu_fwd_rows(x2d: Tensor, bias: Tensor, out_dtype: torch.dtype, tanh: bool,
@@ -143,12 +142,38 @@ def bias_gelu_bwd_rows(dy2d: Tensor, x2d: Tensor, bias: Tensor, tanh: bool, need
     return dx, db
 
 
-# --------------------------------------------------------------------------- custom ops
-@torch.library.custom_op("meshtron::bias_gelu_fwd", mutates_args=())
-def _bias_gelu_fwd(x: Tensor, bias: Tensor, approximate: str) -> Tensor:
-    out_dtype = torch.result_type(x, bias)
+# --------------------------------------------------------------------------- autograd
+# Eager calls use a plain autograd.Function (little Python); torch.compile sees the
+# custom ops below instead and keeps them whole.
+def _fwd(x: Tensor, bias: Tensor, approximate: str) -> Tensor:
+    out_dtype = torch.result_type(x, bias)   # as x + bias would promote
     y = bias_gelu_fwd_rows(as_rows(x), bias.contiguous(), out_dtype, approximate == "tanh")
     return y.view(x.shape)
+
+
+def _bwd(dy, x, bias, approximate, need_db):
+    dx, db = bias_gelu_bwd_rows(as_rows(dy), as_rows(x), bias.contiguous(),
+                                approximate == "tanh", need_db)
+    return dx.view(x.shape), db
+
+
+class _BiasGeLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bias, approximate):
+        ctx.save_for_backward(x, bias)
+        ctx.approximate = approximate
+        return _fwd(x, bias, approximate)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, bias = ctx.saved_tensors
+        dx, db = _bwd(dy, x, bias, ctx.approximate, ctx.needs_input_grad[1])
+        return dx, db, None
+
+
+@torch.library.custom_op("meshtron::bias_gelu_fwd", mutates_args=())
+def _bias_gelu_fwd(x: Tensor, bias: Tensor, approximate: str) -> Tensor:
+    return _fwd(x, bias, approximate)
 
 
 @_bias_gelu_fwd.register_fake
@@ -159,9 +184,8 @@ def _(x, bias, approximate):
 @torch.library.custom_op("meshtron::bias_gelu_bwd", mutates_args=())
 def _bias_gelu_bwd(dy: Tensor, x: Tensor, bias: Tensor, approximate: str,
                    need_db: bool) -> tuple[Tensor, Tensor]:
-    dx, db = bias_gelu_bwd_rows(as_rows(dy), as_rows(x), bias.contiguous(),
-                                approximate == "tanh", need_db)
-    return dx.view(x.shape), db if db is not None else x.new_empty(0)
+    dx, db = _bwd(dy, x, bias, approximate, need_db)
+    return dx, db if db is not None else x.new_empty(0)
 
 
 @_bias_gelu_bwd.register_fake
@@ -197,7 +221,10 @@ def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "tanh", impl: str = "a
         raise ValueError(f"approximate must be one of {APPROXIMATIONS}, got {approximate!r}")
     x_l, (b_l,), wrap = dtensor_locals(x, (bias,), param_follows_hidden=True)
     if use_triton(x_l, impl) and x_l.shape[-1] > 0:
-        y = torch.ops.meshtron.bias_gelu_fwd(x_l, b_l, approximate)
+        if torch.compiler.is_compiling():
+            y = torch.ops.meshtron.bias_gelu_fwd(x_l, b_l, approximate)
+        else:
+            y = _BiasGeLUFunction.apply(x_l, b_l, approximate)
     else:
         y = F.gelu(x_l + b_l, approximate=approximate)
     return wrap(y)

@@ -11,8 +11,9 @@ Backward, with xhat = (x - mean) * rstd and g = w * dy:
 One persistent kernel of about (SMs x k) programs walks the rows, writes dx and
 keeps its dw/db partial sums in fp32 registers; each program then writes one
 partial row, and a small second kernel sums the (programs x H) partials. No
-atomics, so results are deterministic, and the cost stays flat from 1 row to
-millions. Bytes: x and dy read, dx written, plus (programs x H x 8) of partials.
+atomics, so results are deterministic, and the partials stay (programs x H)
+whatever the row count. Bytes: x and dy read, dx written, plus (programs x H x 8)
+of partials written and read again.
 
 Communication: none. Under sequence parallelism the weight gradient of a
 local shard is a partial sum (``Partial()``), reduced later by its placements.
@@ -29,16 +30,21 @@ from ._common import (HAVE_TRITON, as_rows, dtensor_locals, interpreting, new_em
                       sum_partials, triton, tl, use_triton)
 
 # Widest row the Triton kernels hold in registers; wider rows take the PyTorch path.
-MAX_TRITON_H = 32768
+MAX_TRITON_H = 16384
 
 
 # --------------------------------------------------------------------------- kernels
 if HAVE_TRITON:
 
     @triton.jit
+    def _add_pair(a1, b1, a2, b2):
+        return a1 + a2, b1 + b2
+
+    @triton.jit
     def _ln_fwd_kernel(X, Y, W, B, Mean, Rstd, n_rows, N, eps,
-                       HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                       HAS_W: tl.constexpr, HAS_B: tl.constexpr, EVEN: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # EVEN: H == BLOCK_N and BLOCK_M divides the rows, so no element is masked.
         ACC = Mean.dtype.element_ty    # fp32, or fp64 for fp64 inputs (gradcheck)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.arange(0, BLOCK_N)
@@ -46,9 +52,17 @@ if HAVE_TRITON:
         cmask = cols < N
         mask = rmask[:, None] & cmask[None, :]
         offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-        x = tl.load(X + offs, mask=mask, other=0.0).to(ACC)
+        if EVEN:
+            x = tl.load(X + offs).to(ACC)
+        else:
+            x = tl.load(X + offs, mask=mask, other=0.0).to(ACC)
+        # Two passes over the registers (mean, then centred squares): no cancellation.
+        # (One reduction of both moments measured no faster on an H200.)
         mean = tl.sum(x, axis=1) / N
-        xc = tl.where(mask, x - mean[:, None], 0.0)
+        if EVEN:
+            xc = x - mean[:, None]
+        else:
+            xc = tl.where(mask, x - mean[:, None], 0.0)
         var = tl.sum(xc * xc, axis=1) / N
         if ACC == tl.float64:
             rstd = 1.0 / tl.sqrt(var + eps)
@@ -59,44 +73,77 @@ if HAVE_TRITON:
             y = y * tl.load(W + cols, mask=cmask, other=0.0).to(ACC)[None, :]
         if HAS_B:
             y = y + tl.load(B + cols, mask=cmask, other=0.0).to(ACC)[None, :]
-        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
-        tl.store(Mean + rows, mean, mask=rmask)
-        tl.store(Rstd + rows, rstd, mask=rmask)
+        if EVEN:
+            tl.store(Y + offs, y.to(Y.dtype.element_ty))
+            tl.store(Mean + rows, mean)
+            tl.store(Rstd + rows, rstd)
+        else:
+            tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+            tl.store(Mean + rows, mean, mask=rmask)
+            tl.store(Rstd + rows, rstd, mask=rmask)
 
     @triton.jit
     def _ln_bwd_kernel(X, DY, DX, W, Mean, Rstd, DW_part, DB_part, n_rows, N,
                        HAS_W: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
+                       PREFETCH: tl.constexpr, PAIR_SUM: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # Persistent: program p takes row blocks p, p + P, p + 2P, ... With PREFETCH the
+        # loads of the next block are issued before the current block's reductions, so
+        # twice the bytes are in flight.
         ACC = Mean.dtype.element_ty
         pid = tl.program_id(0)
+        step = tl.num_programs(0) * BLOCK_M
         cols = tl.arange(0, BLOCK_N)
         cmask = cols < N
         if HAS_W:
             w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC)[None, :]
         dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
         db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
-        for blk in range(pid, tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
-            rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        if PREFETCH:
             rmask = rows < n_rows
             mask = rmask[:, None] & cmask[None, :]
             offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-            x = tl.load(X + offs, mask=mask, other=0.0).to(ACC)
-            dy = tl.load(DY + offs, mask=mask, other=0.0).to(ACC)
-            mean = tl.load(Mean + rows, mask=rmask, other=0.0)
-            rstd = tl.load(Rstd + rows, mask=rmask, other=0.0)
+            x_nx = tl.load(X + offs, mask=mask, other=0.0)
+            dy_nx = tl.load(DY + offs, mask=mask, other=0.0)
+            mean_nx = tl.load(Mean + rows, mask=rmask, other=0.0)
+            rstd_nx = tl.load(Rstd + rows, mask=rmask, other=0.0)
+        for _ in range(pid * BLOCK_M, n_rows, step):
+            rmask = rows < n_rows
+            mask = rmask[:, None] & cmask[None, :]
+            offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+            if PREFETCH:
+                x, dy, mean, rstd = x_nx.to(ACC), dy_nx.to(ACC), mean_nx, rstd_nx
+                nrows = rows + step
+                nrmask = nrows < n_rows
+                nmask = nrmask[:, None] & cmask[None, :]
+                noffs = nrows.to(tl.int64)[:, None] * N + cols[None, :]
+                x_nx = tl.load(X + noffs, mask=nmask, other=0.0)
+                dy_nx = tl.load(DY + noffs, mask=nmask, other=0.0)
+                mean_nx = tl.load(Mean + nrows, mask=nrmask, other=0.0)
+                rstd_nx = tl.load(Rstd + nrows, mask=nrmask, other=0.0)
+            else:
+                x = tl.load(X + offs, mask=mask, other=0.0).to(ACC)
+                dy = tl.load(DY + offs, mask=mask, other=0.0).to(ACC)
+                mean = tl.load(Mean + rows, mask=rmask, other=0.0)
+                rstd = tl.load(Rstd + rows, mask=rmask, other=0.0)
             xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
             if HAS_W:
                 g = dy * w
             else:
                 g = dy
-            c1 = tl.sum(xhat * g, axis=1) / N
-            c2 = tl.sum(g, axis=1) / N
-            dx = (g - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+            if PAIR_SUM:   # both row sums in one reduction (the interpreter runs it slowly)
+                s1, s2 = tl.reduce((xhat * g, g), 1, _add_pair)
+            else:
+                s1 = tl.sum(xhat * g, axis=1)
+                s2 = tl.sum(g, axis=1)
+            dx = (g - (xhat * (s1 / N)[:, None] + (s2 / N)[:, None])) * rstd[:, None]
             tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
             if NEED_DW:
                 dw_acc += dy * xhat
             if NEED_DB:
                 db_acc += dy
+            rows += step
         if NEED_DW:
             tl.store(DW_part + pid * N + cols, tl.sum(dw_acc, axis=0), mask=cmask)
         if NEED_DB:
@@ -110,27 +157,45 @@ def stat_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def fwd_config(n: int) -> tuple[int, int]:
-    """(BLOCK_M rows a program, num_warps) for the forward, by hidden size."""
+    """(BLOCK_M rows a program, num_warps) for the forward, by hidden size.
+
+    Measured on an H200 (benchmarks/bench_kernels.py --sweep): two rows a program,
+    about 16-32 elements a thread.
+    """
     block_n = triton.next_power_of_2(n)
     if interpreting():  # the interpreter pays per program and per op, not per element
         return max(1, min(64, 65536 // block_n)), 4
-    block_m = max(1, min(16, 4096 // block_n))
-    num_warps = min(16, max(4, block_n // 512))
-    return block_m, num_warps
+    if block_n <= 2048:
+        return 2, max(1, block_n // 256)
+    if block_n <= 8192:
+        return 2, 8
+    return 1, 16
 
 
-def bwd_config(n: int) -> tuple[int, int, int]:
-    """(BLOCK_M, num_warps, programs per SM) for the backward, by hidden size."""
+def bwd_config(n: int) -> tuple[int, int, int, bool, bool]:
+    """(BLOCK_M, num_warps, programs per SM, prefetch, pair_sum) for the backward.
+
+    Measured on an H200 (benchmarks/bench_kernels.py --sweep). Small rows want
+    several rows a step and many programs; large rows one or two rows, 16 warps,
+    one program an SM, and the next rows' loads in flight (prefetch).
+    """
     block_n = triton.next_power_of_2(n)
     if interpreting():
-        return max(1, min(64, 65536 // block_n)), 4, 2
-    block_m = max(1, min(16, 4096 // block_n))
-    num_warps = min(16, max(4, block_n // 512))
-    return block_m, num_warps, 2
+        return max(1, min(64, 65536 // block_n)), 4, 2, True, False
+    if block_n <= 2048:
+        return max(1, 2048 // block_n), 4, 4, True, False
+    if block_n <= 4096:
+        return 1, 8, 2, True, True
+    if block_n <= 8192:
+        return 1, 16, 1, True, False
+    # H = 16384: a whole row per thread block spills registers; prefetching the next
+    # row spilled far more (408 GB/s against 2192 without, 8 warps, on an H200).
+    return 1, 8, 1, False, False
 
 
 def ln_fwd_rows(x2d: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
-                block_m: Optional[int] = None, num_warps: Optional[int] = None):
+                block_m: Optional[int] = None, num_warps: Optional[int] = None,
+                even: Optional[bool] = None):
     """Triton forward on a contiguous (rows, H) tensor: returns y, mean, rstd (fp32)."""
     m, n = x2d.shape
     y = new_empty((m, n), x2d.dtype, x2d.device)
@@ -140,29 +205,38 @@ def ln_fwd_rows(x2d: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], e
         return y, mean, rstd
     bm, nw = fwd_config(n)
     bm, nw = block_m or bm, num_warps or nw
+    block_n = triton.next_power_of_2(n)
+    if even is None:
+        even = n == block_n and m % bm == 0
     _ln_fwd_kernel[(triton.cdiv(m, bm),)](
         x2d, y, weight if weight is not None else x2d, bias if bias is not None else x2d,
         mean, rstd, m, n, eps, HAS_W=weight is not None, HAS_B=bias is not None,
-        BLOCK_M=bm, BLOCK_N=triton.next_power_of_2(n), num_warps=nw)
+        EVEN=even, BLOCK_M=bm, BLOCK_N=block_n, num_warps=nw)
     return y, mean, rstd
 
 
 def ln_bwd_rows(dy2d: Tensor, x2d: Tensor, weight: Optional[Tensor], mean: Tensor, rstd: Tensor,
                 need_dw: bool, need_db: bool, w_dtype: torch.dtype, b_dtype: torch.dtype,
                 block_m: Optional[int] = None, num_warps: Optional[int] = None,
-                per_sm: Optional[int] = None):
+                per_sm: Optional[int] = None, prefetch: Optional[bool] = None,
+                pair_sum: Optional[bool] = None, reduce_partials: bool = True):
     """Triton backward on contiguous (rows, H) tensors: returns dx, dw or None, db or None."""
     m, n = x2d.shape
     dx = new_empty((m, n), x2d.dtype, x2d.device)
-    bm, nw, k = bwd_config(n)
+    bm, nw, k, pf, ps = bwd_config(n)
     bm, nw, k = block_m or bm, num_warps or nw, per_sm or k
+    pf = pf if prefetch is None else prefetch
+    ps = ps if pair_sum is None else pair_sum
     n_prog = max(1, min(triton.cdiv(m, bm), num_sms(x2d.device) * k))
     part = new_empty((2 if need_db else 1, n_prog, n), mean.dtype, x2d.device)
     _ln_bwd_kernel[(n_prog,)](
         x2d, dy2d, dx, weight if weight is not None else x2d, mean, rstd, part[0], part[-1],
-        m, n, HAS_W=weight is not None, NEED_DW=need_dw, NEED_DB=need_db,
+        m, n, HAS_W=weight is not None, NEED_DW=need_dw, NEED_DB=need_db, PREFETCH=pf,
+        PAIR_SUM=ps,
         BLOCK_M=bm, BLOCK_N=triton.next_power_of_2(n), num_warps=nw)
     dw = db = None
+    if not reduce_partials:   # benchmarks: the main kernel alone
+        return dx, part, None
     if need_dw and need_db:
         dw, db = sum_partials(part[0], w_dtype, part[1], b_dtype)
     elif need_dw:
@@ -172,13 +246,45 @@ def ln_bwd_rows(dy2d: Tensor, x2d: Tensor, weight: Optional[Tensor], mean: Tenso
     return dx, dw, db
 
 
-# --------------------------------------------------------------------------- custom ops
+# --------------------------------------------------------------------------- autograd
+# Eager calls go through a plain autograd.Function (about a third of the Python
+# time of calling the custom ops eagerly, measured with the kernels stubbed out); under torch.compile the same math runs as
+# the custom ops below, which compile keeps whole (their fake impls give shapes,
+# register_autograd gives the backward).
+def _fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float):
+    y, mean, rstd = ln_fwd_rows(as_rows(x), weight, bias, eps)
+    return y.view(x.shape), mean, rstd
+
+
+def _bwd(dy, x, weight, mean, rstd, need_dw, need_db, b_dtype):
+    w_dtype = weight.dtype if weight is not None else torch.float32
+    dx, dw, db = ln_bwd_rows(as_rows(dy), as_rows(x), weight, mean, rstd,
+                             need_dw, need_db, w_dtype, b_dtype)
+    return dx.view(x.shape), dw, db
+
+
+class _LayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        y, mean, rstd = _fwd(x, weight, bias, eps)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.has_w, ctx.has_b = weight is not None, bias is not None
+        ctx.b_dtype = bias.dtype if bias is not None else x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, rstd = ctx.saved_tensors
+        need_dw = ctx.has_w and ctx.needs_input_grad[1]
+        need_db = ctx.has_b and ctx.needs_input_grad[2]
+        dx, dw, db = _bwd(dy, x, weight, mean, rstd, need_dw, need_db, ctx.b_dtype)
+        return dx, dw, db, None
+
+
 @torch.library.custom_op("meshtron::layer_norm_fwd", mutates_args=())
 def _layer_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
                     eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    x2d = as_rows(x)
-    y, mean, rstd = ln_fwd_rows(x2d, weight, bias, eps)
-    return y.view(x.shape), mean, rstd
+    return _fwd(x, weight, bias, eps)
 
 
 @_layer_norm_fwd.register_fake
@@ -192,10 +298,9 @@ def _(x, weight, bias, eps):
 def _layer_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, rstd: Tensor,
                     need_dw: bool, need_db: bool, b_dtype: torch.dtype
                     ) -> tuple[Tensor, Tensor, Tensor]:
-    w_dtype = weight.dtype if weight is not None else torch.float32
-    dx, dw, db = ln_bwd_rows(as_rows(dy), as_rows(x), weight, mean, rstd,
-                             need_dw, need_db, w_dtype, b_dtype)
-    return (dx.view(x.shape), dw if dw is not None else x.new_empty(0),
+    dx, dw, db = _bwd(dy, x, weight, mean, rstd, need_dw, need_db, b_dtype)
+    # A custom op returns tensors: empty ones stand for "not asked for".
+    return (dx, dw if dw is not None else x.new_empty(0),
             db if db is not None else x.new_empty(0))
 
 
@@ -239,7 +344,10 @@ def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps:
     x_l, (w_l, b_l), wrap = dtensor_locals(x, (weight, bias), param_follows_hidden=False)
     h = x_l.shape[-1]
     if use_triton(x_l, impl) and 0 < h <= MAX_TRITON_H:
-        y = torch.ops.meshtron.layer_norm_fwd(x_l, w_l, b_l, float(eps))[0]
+        if torch.compiler.is_compiling():
+            y = torch.ops.meshtron.layer_norm_fwd(x_l, w_l, b_l, float(eps))[0]
+        else:
+            y = _LayerNormFunction.apply(x_l, w_l, b_l, float(eps))
     else:
         y = F.layer_norm(x_l, (h,), w_l, b_l, eps)
     return wrap(y)
