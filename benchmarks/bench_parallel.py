@@ -85,7 +85,7 @@ def kernels_ok(dev) -> tuple[bool, str]:
             yr = F.layer_norm(xr, (2048,), wr, br, 1e-5)
             rx, rw, rb = torch.autograd.grad(yr, (xr, wr, br), dy.double())
             for a, r in ((y, yr), (gx, rx), (gw, rw), (gb, rb)):
-                errs.append(float((a.double() - r).norm() / r.norm()))
+                errs.append(float((a.detach().double() - r.detach()).norm() / r.detach().norm()))
             h = torch.randn(4096, 8192, device=dev, dtype=dt, generator=g).requires_grad_()
             bb = (0.1 * torch.randn(8192, device=dev, generator=g)).requires_grad_()
             dz = torch.randn(4096, 8192, device=dev, dtype=dt, generator=g)
@@ -95,7 +95,7 @@ def kernels_ok(dev) -> tuple[bool, str]:
             zr = F.gelu(hr + bbr, approximate="tanh")
             rh, rbb = torch.autograd.grad(zr, (hr, bbr), dz.double())
             for a, r in ((z, zr), (gh, rh), (gbb, rbb)):
-                errs.append(float((a.double() - r).norm() / r.norm()))
+                errs.append(float((a.detach().double() - r.detach()).norm() / r.detach().norm()))
         worst = max(errs)
         ok = worst < 2e-2 and all(e == e for e in errs)
         return ok, f"worst rel err {worst:.2e}"
@@ -425,6 +425,7 @@ def main():
     p.add_argument("--compile-cost", type=float, default=90.0,
                    help="first guess of a compiled config's seconds (then the measured one is used)")
     p.add_argument("--out", default=".")
+    p.add_argument("--tag", default="", help="suffix of the results file: results<tag>.jsonl")
     p.add_argument("--summarize", default=None)
     args = p.parse_args()
     if args.summarize:
@@ -476,7 +477,7 @@ def main():
     if args.configs:
         names = args.configs.split(",")
 
-    out_path = os.path.join(args.out, "results.jsonl")
+    out_path = os.path.join(args.out, f"results{args.tag}.jsonl")
     cost = {"eager": 25.0, "compiled": args.compile_cost}
     for name in names:
         kind = "compiled" if name.endswith("_compiled") else "eager"
