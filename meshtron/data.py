@@ -152,8 +152,20 @@ class BatchLoader:
     def state_dict(self) -> dict:
         return {"step": self.step, "global_batch": self.global_batch, "seq_len": self.seq_len, "seed": self.seed}
 
-    def load_state_dict(self, sd: dict) -> None:
-        for k in ("global_batch", "seq_len", "seed"):
-            if sd[k] != getattr(self, k):
-                raise ValueError(f"data loader state has {k}={sd[k]}, this run uses {getattr(self, k)}")
+    def load_state_dict(self, sd: dict, rebatch_by_tokens: bool = False) -> None:
+        """Resume exactly: the position is in global batches, so any data-parallel
+        degree continues with the same samples. A different global batch or sequence
+        length cannot continue the same sample order; with rebatch_by_tokens the run
+        goes on at the same token count, sample order recomputed for the new batch."""
+        if sd["seed"] != self.seed:
+            raise ValueError(f"data loader state has seed={sd['seed']}, this run uses {self.seed}")
+        if (sd["global_batch"], sd["seq_len"]) != (self.global_batch, self.seq_len):
+            if not rebatch_by_tokens:
+                raise ValueError(
+                    f"the checkpoint's data position is {sd['step']} batches of {sd['global_batch']} x {sd['seq_len']} "
+                    f"tokens; this run uses {self.global_batch} x {self.seq_len}, which cannot continue the same "
+                    "sample order. Keep the global batch and sequence length, or pass --data-rebatch to go on "
+                    "at the same token count")
+            self.step = sd["step"] * sd["global_batch"] * sd["seq_len"] // (self.global_batch * self.seq_len)
+            return
         self.step = sd["step"]

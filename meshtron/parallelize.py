@@ -43,8 +43,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig = Parall
     if cfg.recompute != "none":
         apply_recompute(model, cfg.recompute)
     if cfg.compile:
-        for name, block in model.layers.items():
-            model.layers[name] = torch.compile(block)
+        for block in model.layers.values():
+            block.compile()   # in place: parameter names (and so checkpoints) stay as they are
     if degree(mesh, "dense_dp") > 1:
         apply_fsdp(model, mesh, cfg.zero_stage, cfg.hsdp, cfg.param_dtype, cfg.reduce_dtype)
     return model

@@ -9,6 +9,7 @@ directory (--data PATH), or a uint16/uint32 token file (--data file.u16).
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import sys
 import time
@@ -19,7 +20,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from meshtron import ParallelConfig, degree, init_mesh, parallelize, train  # noqa: E402
+from meshtron import ParallelConfig, checkpoint, degree, init_mesh, parallelize, train  # noqa: E402
 from meshtron.data import BatchLoader, load_tokens  # noqa: E402
 from meshtron.metrics import Throughput, peak_memory_gib  # noqa: E402
 from meshtron.models import GPT, gpt_config  # noqa: E402
@@ -58,7 +59,39 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None, help="text file/dir or .u16/.u32 token file (default: Python stdlib)")
     p.add_argument("--log-interval", type=int, default=10)
+    p.add_argument("--pg-timeout", type=float, default=600, help="seconds a collective may wait before the job fails")
+    p.add_argument("--checkpoint-dir", default=None, help="save DCP checkpoints under this directory")
+    p.add_argument("--checkpoint-interval", type=int, default=100, help="steps between checkpoints")
+    p.add_argument("--keep-checkpoints", type=int, default=3, help="keep the newest K checkpoints")
+    p.add_argument("--resume", default="none", help="none, auto (newest complete checkpoint in --checkpoint-dir), or a path")
+    p.add_argument("--data-rebatch", action="store_true",
+                   help="resume with another global batch / sequence length at the same token count")
+    p.add_argument("--import-safetensors", default=None, help="start from these (HF GPT-2) safetensors weights")
+    p.add_argument("--export-safetensors", default=None, help="write HF GPT-2 safetensors here at the end")
+    p.add_argument("--exit-after", type=int, default=None, help="stop this run after N steps (the schedule still spans --steps)")
+    p.add_argument("--crash-at-step", type=int, default=None,
+                   help="fault-recovery demo: rank 1 dies at this step on the first attempt of a torchrun job")
     return p.parse_args(argv)
+
+
+def init_distributed(timeout_s: float) -> None:
+    """The default process group, with our own timeout (a lost peer fails the job,
+    and torchrun --max-restarts restarts it). torchrun's agent keeps one store
+    across restarts, so keys are prefixed by attempt: a restarted job must not
+    read the addresses a dead attempt published."""
+    if dist.is_initialized():
+        return
+    backend = "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_store and rank == 0, timeout=timeout)
+    store = dist.PrefixStore(f"meshtron/attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def build(model, mesh, pcfg, args, device, microbatches):
@@ -88,6 +121,7 @@ def main(argv=None) -> list[float]:
     cfg = gpt_config(args.model, **overrides)
     if args.seq_len > cfg.max_seq_len:
         raise ValueError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
+    init_distributed(args.pg_timeout)
     mesh = init_mesh(args.dp, args.pp, args.cp, args.tp, args.ep, config=cfg, seq_len=args.seq_len)
     rank = dist.get_rank()
     device = torch.device(mesh.device_type, torch.cuda.current_device() if mesh.device_type == "cuda" else 0) \
@@ -112,6 +146,17 @@ def main(argv=None) -> list[float]:
     if pp > 1 and loader.local_batch != microbatches * loader.micro_batch:
         raise ValueError(f"with --pp the local batch {loader.local_batch} must be --microbatches {microbatches} "
                          f"x --micro-batch {loader.micro_batch}")
+    parts = model.stages if degree(mesh, "pp") > 1 else [model]
+    layout = {a: degree(mesh, a) for a in mesh.mesh_dim_names} | {"zero": args.zero}
+    start = 0
+    if args.import_safetensors:
+        checkpoint.import_safetensors(parts, args.import_safetensors)
+    resume = checkpoint.latest(args.checkpoint_dir) if args.resume == "auto" and args.checkpoint_dir else \
+        (None if args.resume in ("none", "auto") else args.resume)
+    if resume:
+        start = checkpoint.load(resume, parts, optimizer, scheduler, loader, config=cfg, rebatch_by_tokens=args.data_rebatch)
+        if rank == 0:
+            print(f"resumed from {resume} at step {start}", flush=True)
     meter = Throughput(cfg.flops_per_token(args.seq_len), dist.get_world_size(), device)
     if rank == 0:
         n_params = cfg.num_params()
@@ -119,7 +164,10 @@ def main(argv=None) -> list[float]:
               f"| global batch {global_batch} x {args.seq_len} tokens, {loader.local_batch // loader.micro_batch} "
               f"micro-batches of {args.micro_batch} | {loader.n_samples} samples", flush=True)
     losses, t_start = [], time.perf_counter()
-    for step in range(1, args.steps + 1):
+    last = min(args.steps, start + args.exit_after) if args.exit_after else args.steps
+    for step in range(start + 1, last + 1):
+        if step == args.crash_at_step and rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            os._exit(13)   # a rank lost mid-run; torchrun --max-restarts restarts the job
         loss, norm = train.train_step(model, optimizer, scheduler, loader.next(), mesh, max_norm=args.max_norm or None,
                                       forward_backward=fb)
         meter.add(global_batch * args.seq_len)
@@ -127,7 +175,7 @@ def main(argv=None) -> list[float]:
         if rank == 0 and (step % args.log_interval == 0 or step == args.steps or step == 1):
             m = meter.report()
             elapsed = time.perf_counter() - t_start
-            eta = elapsed / step * (args.steps - step)
+            eta = elapsed / (step - start) * (args.steps - step)
             line = (f"step {step:>6}/{args.steps} | loss {losses[-1]:.4f} | lr {scheduler.get_last_lr()[0]:.2e} "
                     f"| grad norm {float(norm):.3f} | {m['tokens_per_s']:,.0f} tok/s "
                     f"({m['tokens_per_s_per_gpu']:,.0f}/gpu) | {m['tflops_per_gpu']:.2f} TFLOP/s/gpu")
@@ -138,6 +186,11 @@ def main(argv=None) -> list[float]:
                 line += f" | peak mem {mem:.2f} GiB" + (" (host RSS)" if device.type == "cpu" else "")
             line += f" | eta {eta:,.0f}s"
             print(line, flush=True)
+        if args.checkpoint_dir and (step % args.checkpoint_interval == 0 or step == args.steps):
+            checkpoint.save(args.checkpoint_dir, step, parts, optimizer, scheduler, loader, config=cfg, layout=layout,
+                            keep=args.keep_checkpoints)
+    if args.export_safetensors:
+        checkpoint.export_safetensors(parts, args.export_safetensors)
     if pp > 1:  # memory differs by stage: the first holds the most micro-batches in flight
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, (model.stage_ids, peak_memory_gib(device)))

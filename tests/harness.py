@@ -72,7 +72,11 @@ class WorkerPool:
                                    f"did not finish in {timeout:.0f} s" + _first_error(errors))
             for r in sorted(pending):
                 if self.conns[r].poll(min(left, 0.05)):
-                    status, value = self.conns[r].recv()
+                    try:
+                        status, value = self.conns[r].recv()
+                    except EOFError:   # the rank's process is gone
+                        self.procs[r].join(timeout=5)
+                        raise RankError(f"rank {r} died (exit code {self.procs[r].exitcode})" + _first_error(errors))
                     pending.discard(r)
                     if status == "ok":
                         results[r] = value

@@ -39,8 +39,11 @@ def test_loader_state_resumes_exactly_and_wraps_epochs():
     b = BatchLoader(tokens, seq_len=9, global_batch=4, seed=0)
     b.load_state_dict(a.state_dict())
     assert torch.equal(a.next()[0][0], b.next()[0][0])
-    with pytest.raises(ValueError, match="global_batch=4"):
+    with pytest.raises(ValueError, match="pass --data-rebatch"):
         BatchLoader(tokens, seq_len=9, global_batch=8).load_state_dict(a.state_dict())
+    c = BatchLoader(tokens, seq_len=9, global_batch=8)
+    c.load_state_dict(a.state_dict(), rebatch_by_tokens=True)
+    assert c.step == a.step * 4 // 8
 
 
 def test_bad_batch_shapes_are_clear_errors():

@@ -1,0 +1,227 @@
+"""Distributed checkpoints: save, exact resume, resharding, crash safety.
+
+Layout on disk (one directory per saved step under a root):
+
+    root/step-00000100/   .metadata, __<rank>_*.distcp  (DCP: each rank writes its shards)
+                          meshtron.json                  (model config, layout, step, file sizes + CRCs)
+    root/.tmp-step-...    a save in progress; never read
+
+State is keyed by parameter name (FQN), never by layout: model weights as the
+DTensors FSDP/TP hold, AdamW state likewise, so DCP reshards on load to any
+other layout (other dp/tp/pp degrees, zero stage, or one process). A save is
+made visible by one atomic rename, after every rank has written, so a run
+killed mid-save leaves the previous checkpoint untouched.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import re
+import shutil
+import zlib
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+from meshtron.hf import export_safetensors, import_safetensors  # noqa: F401  (meshtron.checkpoint.export_safetensors)
+
+STEP_DIR = re.compile(r"^step-(\d{8})$")
+_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _fqn(name: str) -> str:
+    for w in _WRAPPERS:
+        name = name.replace(w, "")
+    return name
+
+
+def model_state(parts: list[nn.Module]) -> dict:
+    """Name -> tensor (DTensor shards under FSDP/TP) over all model parts (pipeline stages)."""
+    return {k: v for m in parts for k, v in m.state_dict().items()}
+
+
+def optimizer_state(parts: list[nn.Module], optimizer: torch.optim.Optimizer) -> dict:
+    """AdamW state keyed by parameter name instead of position, so it reshards."""
+    _init_optim_state(optimizer)   # the state exists only after a first step; loading needs its tensors
+    names = {id(p): _fqn(n) for m in parts for n, p in m.named_parameters()}
+    state = {names[id(p)]: optimizer.state[p] for g in optimizer.param_groups for p in g["params"] if p in optimizer.state}
+    groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [names[id(p)] for p in g["params"]]}
+              for g in optimizer.param_groups]
+    return {"state": state, "param_groups": groups}
+
+
+def _training_state(parts, optimizer, scheduler, loader, step) -> dict:
+    sd = {"model": model_state(parts), "optim": optimizer_state(parts, optimizer), "step": step}
+    if scheduler is not None:
+        sd["scheduler"] = scheduler.state_dict()
+    if loader is not None:
+        sd["data"] = loader.state_dict()
+    return sd
+
+
+def _rng_key(rank: int) -> str:
+    return f"rng/rank{rank}"
+
+
+def _rng_state() -> dict:
+    s = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        s["cuda"] = torch.cuda.get_rng_state()
+    return s
+
+
+def save(root: str, step: int, parts, optimizer, scheduler=None, loader=None, *, config=None, layout=None,
+         keep: int = 3) -> str:
+    """Write root/step-<step> from every rank; returns its path."""
+    final = os.path.join(root, f"step-{step:08d}")
+    tmp = os.path.join(root, f".tmp-step-{step:08d}")
+    if os.path.exists(final):
+        raise CheckpointError(f"checkpoint {final} already exists; not overwriting it")
+    if _rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)   # a save that died earlier
+        os.makedirs(tmp)
+    _barrier()
+    sd = _training_state(parts, optimizer, scheduler, loader, step)
+    sd[_rng_key(_rank())] = _rng_state()        # RNG differs per rank (e.g. tp-sharded dropout)
+    dcp.save(sd, checkpoint_id=tmp)
+    _barrier()                                   # every rank's shards are on disk
+    if _rank() == 0:
+        files = {os.path.basename(f): {"size": os.path.getsize(f), "crc32": _crc32(f)}
+                 for f in sorted(glob.glob(os.path.join(tmp, "*"))) + sorted(glob.glob(os.path.join(tmp, ".metadata")))}
+        meta = {"step": step, "config": _jsonable(config), "layout": layout, "files": files}
+        with open(os.path.join(tmp, "meshtron.json"), "w") as f:
+            json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, final)                    # atomic: the checkpoint exists whole or not at all
+        for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def list_checkpoints(root: str) -> list[str]:
+    """Complete checkpoints under root, oldest first (in-progress saves are ignored)."""
+    if not os.path.isdir(root):
+        return []
+    return [os.path.join(root, d) for d in sorted(os.listdir(root)) if STEP_DIR.match(d)]
+
+
+def latest(root: str) -> str | None:
+    ckpts = list_checkpoints(root)
+    return ckpts[-1] if ckpts else None
+
+
+def validate(path: str, config=None, verify_crc: bool = True) -> dict:
+    """Check a checkpoint before any tensor is touched: it exists, is complete,
+    its files have the sizes (and CRCs) recorded at save, and it was made for
+    this model. Returns its meshtron.json."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"no checkpoint directory at {path}")
+    meta_path = os.path.join(path, "meshtron.json")
+    if not os.path.isfile(meta_path):
+        raise CheckpointError(f"{path} is not a complete meshtron checkpoint (no meshtron.json)")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    for name, info in meta["files"].items():
+        fp = os.path.join(path, name)
+        if not os.path.isfile(fp):
+            raise CheckpointError(f"checkpoint {path} is missing {name}")
+        if os.path.getsize(fp) != info["size"]:
+            raise CheckpointError(f"checkpoint file {fp} is truncated or altered: "
+                                  f"{os.path.getsize(fp)} bytes, {info['size']} expected")
+        if verify_crc and _crc32(fp) != info["crc32"]:
+            raise CheckpointError(f"checkpoint file {fp} is corrupted (CRC mismatch)")
+    if config is not None and meta["config"] is not None:
+        mine = _jsonable(config)
+        diff = {k: (meta["config"].get(k), v) for k, v in mine.items()
+                if meta["config"].get(k) != v and k != "fused_kernels"}
+        if diff:
+            raise CheckpointError(f"checkpoint {path} is for another model: " +
+                                  ", ".join(f"{k}={a!r} there, {b!r} here" for k, (a, b) in diff.items()))
+    return meta
+
+
+def load(path: str, parts, optimizer=None, scheduler=None, loader=None, *, config=None,
+         rebatch_by_tokens: bool = False) -> int:
+    """Load into the current layout (DCP reshards) and return the saved step."""
+    meta = validate(path, config)
+    sd = _training_state(parts, optimizer, scheduler, None, 0) if optimizer is not None else {"model": model_state(parts)}
+    sd["step"] = 0
+    if loader is not None:
+        sd["data"] = dict(loader.state_dict())
+    stored = FileSystemReader(path).read_metadata().state_dict_metadata
+    key = _rng_key(_rank())
+    if f"{key}.cpu" in stored or key in stored:
+        sd[key] = _rng_state()
+    _check_shapes(path, sd, stored)
+    dcp.load(sd, checkpoint_id=path)
+    if optimizer is not None:
+        for group, saved in zip(optimizer.param_groups, sd["optim"]["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+    if scheduler is not None:
+        scheduler.load_state_dict(sd["scheduler"])
+    if loader is not None:
+        loader.load_state_dict(sd["data"], rebatch_by_tokens=rebatch_by_tokens)
+    if key in sd:
+        torch.set_rng_state(sd[key]["cpu"])
+        if "cuda" in sd[key] and torch.cuda.is_available():
+            torch.cuda.set_rng_state(sd[key]["cuda"])
+    return int(sd["step"])
+
+
+def _check_shapes(path: str, sd: dict, stored: dict) -> None:
+    """Every tensor asked for must be in the checkpoint with the same global shape."""
+    def walk(prefix, obj):
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                yield from walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif isinstance(obj, list):
+            for i, v in enumerate(obj):
+                yield from walk(f"{prefix}.{i}", v)
+        else:
+            yield prefix, obj
+
+    for k, v in walk("", {k: v for k, v in sd.items() if k in ("model", "optim")}):
+        if not isinstance(v, torch.Tensor):
+            continue
+        if k not in stored:
+            raise CheckpointError(f"checkpoint {path} has no tensor {k!r}: it was saved from another model")
+        if isinstance(stored[k], TensorStorageMetadata) and tuple(stored[k].size) != tuple(v.shape):
+            raise CheckpointError(f"checkpoint {path}: {k} has shape {tuple(stored[k].size)}, "
+                                  f"this model's is {tuple(v.shape)}")
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _jsonable(config):
+    if config is None:
+        return None
+    return dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)

@@ -1,0 +1,189 @@
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from harness import RankError
+from meshtron import checkpoint
+from meshtron.models import GPT, gpt_config
+from test_train import _train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMMON = ["--model", "tiny", "--untie-embeddings", "--steps", "6", "--seq-len", "32", "--global-batch", "8",
+          "--log-interval", "100", "--warmup", "2"]
+LAYOUTS = {
+    "dp2-zero3": (2, ["--dp", "2", "--zero", "3", "--micro-batch", "4"]),
+    "tp2-sp": (2, ["--tp", "2", "--sp", "--micro-batch", "8"]),
+    "pp2": (2, ["--pp", "2", "--microbatches", "4", "--micro-batch", "2"]),
+    "dp2-tp2-zero3": (4, ["--dp", "2", "--tp", "2", "--sp", "--zero", "3", "--micro-batch", "4"]),
+    "tp4": (4, ["--tp", "4", "--micro-batch", "8"]),
+    "dp4-zero1": (4, ["--dp", "4", "--zero", "1", "--micro-batch", "2"]),
+    "pp2-dp2": (4, ["--pp", "2", "--dp", "2", "--microbatches", "2", "--micro-batch", "2"]),
+    "single": (1, ["--micro-batch", "8"]),
+}
+
+
+def run(pools, layout, *extra):
+    world, flags = LAYOUTS[layout]
+    return pools.run(world, _train, COMMON + flags + list(extra), timeout=300)[0]
+
+
+@pytest.mark.parametrize("layout", ["dp2-zero3", "tp2-sp", "pp2"])
+def test_exact_resume(pools, tmp_path, layout):
+    straight = run(pools, layout)
+    first = run(pools, layout, "--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3", "--exit-after", "3")
+    assert checkpoint.latest(str(tmp_path)).endswith("step-00000003")
+    second = run(pools, layout, "--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3", "--resume", "auto")
+    assert first + second == straight          # bit for bit in float32 on the CPU
+
+
+@pytest.mark.parametrize("target", ["tp4", "dp4-zero1", "pp2-dp2", "single"])
+def test_resharding_on_load(pools, tmp_path, target):
+    straight = run(pools, "dp2-tp2-zero3")
+    run(pools, "dp2-tp2-zero3", "--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3", "--exit-after", "3")
+    after = run(pools, target, "--checkpoint-dir", str(tmp_path), "--resume", "auto", "--checkpoint-interval", "100")
+    assert after == pytest.approx(straight[3:], rel=1e-5), (after, straight[3:])
+
+
+def test_killed_save_leaves_previous_checkpoint_loadable(pools, tmp_path):
+    run(pools, "dp2-zero3", "--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3", "--exit-after", "3")
+    with pytest.raises(RankError, match="died"):
+        pools.run(2, _die_during_save, COMMON + LAYOUTS["dp2-zero3"][1] + ["--checkpoint-dir", str(tmp_path),
+                  "--checkpoint-interval", "3", "--resume", "auto"], timeout=120)
+    assert any(d.startswith(".tmp-step-00000006") for d in os.listdir(tmp_path))   # the half-written save
+    assert checkpoint.latest(str(tmp_path)).endswith("step-00000003")
+    checkpoint.validate(checkpoint.latest(str(tmp_path)))
+    straight = run(pools, "dp2-zero3")
+    resumed = run(pools, "dp2-zero3", "--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3", "--resume", "auto")
+    assert resumed == straight[3:]
+    assert not any(d.startswith(".tmp") for d in os.listdir(tmp_path))                # cleaned by the next save
+
+
+def _die_during_save(rank, world, argv):
+    import meshtron.checkpoint as ck
+    real = ck.dcp.save
+
+    def dying_save(sd, checkpoint_id):
+        if rank == 1:
+            os._exit(9)            # killed before writing its shard; rank 0 is inside the save
+        return real(sd, checkpoint_id=checkpoint_id)
+
+    ck.dcp.save = dying_save
+    try:
+        return _train(rank, world, argv)
+    finally:
+        ck.dcp.save = real
+
+
+def test_bad_checkpoints_fail_clearly_and_nothing_is_overwritten(pools, tmp_path):
+    run(pools, "dp2-zero3", "--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3", "--exit-after", "3")
+    ck = checkpoint.latest(str(tmp_path))
+    model = GPT(gpt_config("tiny", tie_embeddings=False), seed=0)
+    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint directory"):
+        checkpoint.load(str(tmp_path / "missing"), [model])
+    other = gpt_config("tiny", tie_embeddings=False, n_layers=2)
+    with pytest.raises(checkpoint.CheckpointError, match="for another model: n_layers=4 there, 2 here"):
+        checkpoint.load(ck, [GPT(other, seed=0)], config=other)
+    with pytest.raises(checkpoint.CheckpointError, match="has no tensor 'model.adapter.weight'"):
+        checkpoint.load(ck, [torch.nn.ModuleDict({"adapter": torch.nn.Linear(3, 5)})])
+    odd = torch.nn.ModuleDict({"layers": torch.nn.ModuleDict({"0": torch.nn.ModuleDict(
+        {"mlp": torch.nn.ModuleDict({"fc1": torch.nn.Linear(3, 5)})})})})
+    with pytest.raises(checkpoint.CheckpointError, match=r"fc1.weight has shape \(256, 64\), this model's is \(5, 3\)"):
+        checkpoint.load(ck, [odd])
+    before = {f: open(os.path.join(ck, f), "rb").read() for f in os.listdir(ck)}
+    bad = str(tmp_path / "bad")
+    shutil.copytree(ck, bad)
+    shard = next(f for f in os.listdir(bad) if f.endswith(".distcp"))
+    with open(os.path.join(bad, shard), "r+b") as f:                   # flip one byte
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(checkpoint.CheckpointError, match="corrupted"):
+        checkpoint.load(bad, [model])
+    with open(os.path.join(bad, shard), "r+b") as f:                   # truncate
+        f.truncate(50)
+    with pytest.raises(checkpoint.CheckpointError, match="truncated"):
+        checkpoint.load(bad, [model])
+    os.remove(os.path.join(bad, "meshtron.json"))
+    with pytest.raises(checkpoint.CheckpointError, match="not a complete meshtron checkpoint"):
+        checkpoint.load(bad, [model])
+    assert {f: open(os.path.join(ck, f), "rb").read() for f in os.listdir(ck)} == before
+    with pytest.raises(checkpoint.CheckpointError, match="already exists"):
+        checkpoint.save(str(tmp_path), 3, [model], torch.optim.AdamW(model.parameters()))
+
+
+def test_fault_recovery_under_torchrun_max_restarts(pools, tmp_path):
+    """Rank 1 dies at step 5; torchrun restarts the job, which resumes from step 4."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1", "--standalone",
+           os.path.join(ROOT, "recipes", "train_gpt.py")] + COMMON + LAYOUTS["dp2-zero3"][1] + [
+           "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-interval", "2", "--resume", "auto",
+           "--crash-at-step", "5", "--log-interval", "1", "--pg-timeout", "30"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "resumed from" in out.stdout and "step-00000004 at step 4" in out.stdout
+    lines = [l for l in out.stdout.splitlines() if l.startswith("step")]
+    assert lines[-1].startswith("step      6/6")
+    logged = {int(l.split()[1].split("/")[0]): float(l.split("loss ")[1].split()[0]) for l in lines}
+    straight = run(pools, "dp2-zero3")
+    assert [logged[s] for s in (5, 6)] == [round(x, 4) for x in straight[4:]]   # nothing lost
+    assert checkpoint.latest(str(tmp_path / "ck")).endswith("step-00000006")
+
+
+# ---- safetensors export / import with Hugging Face GPT-2 ------------------------
+
+def _export(rank, world, path, degrees, max_shard_bytes):
+    from harness import mesh
+    from meshtron import ParallelConfig, parallelize
+    cfg = gpt_config("tiny")
+    model = parallelize(GPT(cfg, seed=5), mesh(**degrees), ParallelConfig(zero_stage=3, sp=degrees.get("tp", 1) > 1))
+    files = checkpoint.export_safetensors(model, path, max_shard_bytes=max_shard_bytes)
+    x = torch.arange(24).view(2, 12) % cfg.vocab_size
+    return files, GPT(cfg, seed=5)(x).detach()
+
+
+def test_export_loads_in_transformers_with_the_same_logits(pools, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    files, ours = pools.run(4, _export, str(tmp_path), dict(dp=2, tp=2), 100_000)[0]
+    assert len(files) > 1 and os.path.isfile(tmp_path / "model.safetensors.index.json")   # sharded + index
+    hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path)).eval()
+    x = torch.arange(24).view(2, 12) % 320
+    with torch.no_grad():
+        theirs = hf(x).logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+
+def _import(rank, world, path, degrees):
+    from harness import mesh
+    from meshtron import ParallelConfig, parallelize
+    from meshtron.parallelize import loss_context
+    cfg = gpt_config("tiny", vocab_size=320)
+    m = mesh(**degrees)
+    pcfg = ParallelConfig(zero_stage=3, sp=True, loss_parallel=False)
+    model = parallelize(GPT(cfg, seed=None), m, pcfg)   # uninitialized: everything must come from the file
+    checkpoint.import_safetensors(model, path)
+    x = torch.arange(24).view(2, 12) % cfg.vocab_size
+    with loss_context(m, pcfg)():
+        return model(x).detach()
+
+
+def test_import_of_a_transformers_gpt2_gives_the_same_logits(pools, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf_cfg = transformers.GPT2Config(vocab_size=320, n_positions=256, n_embd=64, n_layer=4, n_head=4,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    hf = transformers.GPT2LMHeadModel(hf_cfg).eval()
+    with torch.no_grad():   # non-trivial biases and norms, so a mapping mistake shows
+        for p in hf.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    hf.save_pretrained(str(tmp_path), safe_serialization=True)
+    x = torch.arange(24).view(2, 12) % 320
+    with torch.no_grad():
+        theirs = hf(x).logits
+    for world, degrees in ((1, dict(dp=1)), (4, dict(dp=2, tp=2))):
+        ours = pools.run(world, _import, str(tmp_path), degrees)[0]
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
