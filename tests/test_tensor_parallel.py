@@ -196,3 +196,27 @@ def test_dropout_rng_regions_under_tp(pools):
         assert r0[0] == r1[0]                           # every rank reports the same loss
         assert not torch.equal(r0[1]["inside"], r1[1]["inside"])   # sharded region: differs across tp ranks
         assert torch.equal(r0[1]["outside"], r1[1]["outside"])     # replicated region: agrees
+
+
+def _sp_with_triton_layer_norm(rank, world):
+    # the Triton LayerNorm inside sequence-parallel regions: its incoming gradient
+    # is an in-flight AsyncCollectiveTensor from the all-gather's backward
+    from meshtron.kernels_triton import layer_norm
+    from meshtron.models.gpt import LayerNorm
+    cfg = gpt_config("tiny", n_layers=2)
+    m = mesh(dp=1, tp=world)
+    pcfg = ParallelConfig(sp=True)
+    ref, tri = (parallelize(GPT(cfg, seed=0), m, pcfg) for _ in range(2))
+    for mod in tri.modules():
+        if isinstance(mod, LayerNorm):
+            mod.forward = (lambda ln: lambda x: layer_norm(x, ln.weight, ln.bias, ln.eps, impl="triton"))(mod)
+    (x, y), = tiny_batches(cfg.vocab_size, 1, 2, 16)
+    losses = [float(train.forward_backward(mod, [(x, y)], m, loss_context=loss_context(m, pcfg))) for mod in (ref, tri)]
+    errs = [float((p.grad.full_tensor() - q.grad.full_tensor()).norm() / q.grad.full_tensor().norm())
+            for p, q in zip(tri.parameters(), ref.parameters())]
+    return losses, max(errs)
+
+
+def test_sequence_parallel_with_the_triton_layer_norm(pools):
+    (l_ref, l_tri), err = pools.run(2, _sp_with_triton_layer_norm)[0]
+    assert l_tri == pytest.approx(l_ref, rel=1e-6) and err < 1e-5, (l_ref, l_tri, err)

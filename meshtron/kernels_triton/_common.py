@@ -20,6 +20,7 @@ import os
 from typing import Optional, Sequence
 
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 try:  # Triton is optional: without it only the PyTorch path exists.
     import triton
@@ -87,7 +88,12 @@ def new_empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:
-    """View ``t`` as (rows, H) contiguous."""
+    """View ``t`` as (rows, H) contiguous. A gradient arriving from a DTensor
+    collective (e.g. sequence parallelism's all-gather backward) can be an
+    AsyncCollectiveTensor still in flight: wait for it, or the kernel reads the
+    wrapper's pointer (an illegal memory access on the GPU)."""
+    if isinstance(t, AsyncCollectiveTensor):
+        t = t.wait()
     return t.contiguous().view(-1, t.shape[-1])
 
 
