@@ -142,6 +142,13 @@ class Pipeline:
         for m in self.stages:
             yield from m.named_parameters()
 
+    def norm_parameters(self) -> list:
+        """Parameters counted once in the global gradient norm: a tied head is a
+        copy of the embedding (same gradient after the sync), so it is left out."""
+        tied = getattr(self.stages[0].config, "tie_embeddings", False)
+        skip = {id(m.output.weight) for m in self.stages if tied and m.output is not None and m.tok_embeddings is None}
+        return [p for p in self.parameters() if id(p) not in skip]
+
     @property
     def has_first(self) -> bool:
         return 0 in self.stage_ids
@@ -165,9 +172,6 @@ def split_model(model: nn.Module, mesh: DeviceMesh, schedule: str, virtual: int,
     """Cut the (unparallelized) GPT into this pp rank's stages."""
     pp = degree(mesh, "pp")
     check_pipeline(schedule, pp, virtual, microbatches, len(model.layers))
-    if getattr(model.config, "tie_embeddings", False) and pp > 1:
-        raise ValueError("tied input/output embeddings across pipeline stages are not supported: "
-                         "build the model with tie_embeddings=False (--untie-embeddings)")
     n_stages = pp * virtual
     split = split or split_layers(len(model.layers), n_stages)
     if len(split) != n_stages:
@@ -175,6 +179,44 @@ def split_model(model: nn.Module, mesh: DeviceMesh, schedule: str, virtual: int,
     ids = stage_ids_of(mesh["pp"].get_local_rank(), pp, virtual, schedule)
     stages = [build_stage(model, s, split[s], n_stages) for s in ids]
     return Pipeline(stages, ids, n_stages, schedule, microbatches, mesh)
+
+
+def sync_tied_embedding_grads(pipe: Pipeline, mesh: DeviceMesh) -> None:
+    """Megatron's embedding group: with tied input/output embeddings the first
+    stage's embedding and the last stage's head are two copies of one weight,
+    so each must receive the sum of both gradients. The two holders sit at the
+    same coordinates on every other axis, so their local shards match and one
+    exchange over the pp axis (or a local add, if one rank holds both) does it."""
+    emb = [m.tok_embeddings.weight for m in pipe.stages if m.tok_embeddings is not None]
+    head = [m.output.weight for m in pipe.stages if m.output is not None]
+    local = lambda g: g.to_local() if isinstance(g, DTensor) else g  # noqa: E731  grads, no autograd here
+    if emb and head:
+        total = local(emb[0].grad) + local(head[0].grad)
+        local(emb[0].grad).copy_(total)
+        local(head[0].grad).copy_(total)
+        return
+    if not (emb or head):
+        return
+    pp_ranks = mesh["pp"].mesh.tolist()
+    pp = len(pp_ranks)
+    virtual = pipe.n_stages // pp
+    owner = lambda stage: stage_ids_owner(stage, pp, virtual, pipe.schedule_name)  # noqa: E731
+    mine = local((emb or head)[0].grad)
+    peer = pp_ranks[owner(pipe.n_stages - 1) if emb else owner(0)]
+    other = torch.empty_like(mine)
+    group = mesh["pp"].get_group()
+    ops = [dist.P2POp(dist.isend, mine, peer, group), dist.P2POp(dist.irecv, other, peer, group)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    mine.add_(other)
+
+
+def stage_ids_owner(stage: int, pp: int, virtual: int, schedule: str) -> int:
+    """The pp rank holding `stage` (inverse of stage_ids_of)."""
+    for r in range(pp):
+        if stage in stage_ids_of(r, pp, virtual, schedule):
+            return r
+    raise ValueError(f"no pp rank holds stage {stage}")
 
 
 def pipeline_forward_backward(pipe: Pipeline, micro_batches, mesh: DeviceMesh, *, loss_fn,
@@ -193,6 +235,8 @@ def pipeline_forward_backward(pipe: Pipeline, micro_batches, mesh: DeviceMesh, *
         args = (x,) if pipe.has_first else ()
         kwargs = {"target": y, "losses": losses} if pipe.has_last else {}
         pipe.schedule.step(*args, **kwargs)
+    if getattr(pipe.stages[0].config, "tie_embeddings", False):
+        sync_tied_embedding_grads(pipe, mesh)
     losses = [(l.full_tensor() if isinstance(l, DTensor) else l).detach().float() for l in losses]
     loss = torch.stack(losses).mean() if losses else torch.zeros((), device=device)
     dist.all_reduce(loss, group=mesh["pp"].get_group())

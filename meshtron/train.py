@@ -94,9 +94,12 @@ def grad_norm(parameters, mesh: DeviceMesh | None = None) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters, max_norm: float | None, mesh: DeviceMesh | None = None) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm: float | None, mesh: DeviceMesh | None = None, norm_parameters=None) -> torch.Tensor:
+    """Scale all grads so their global norm is at most max_norm. `norm_parameters`
+    (default: all) are the ones the norm counts: a pipeline passes each tied
+    weight once, though both stages holding a copy get scaled."""
     parameters = [p for p in parameters if p.grad is not None]
-    norm = grad_norm(parameters, mesh)
+    norm = grad_norm(parameters if norm_parameters is None else norm_parameters, mesh)
     if max_norm is not None and max_norm > 0:
         coef = min(1.0, max_norm / (float(norm) + 1e-6))
         if coef < 1.0:
@@ -131,7 +134,7 @@ def train_step(model, optimizer, scheduler, micro_batches, mesh, *, max_norm=Non
     """One optimizer step. `forward_backward(model, micro_batches, mesh)` is the
     plain one, or the pipeline schedule's for a model split into stages."""
     loss = forward_backward(model, micro_batches, mesh)
-    norm = clip_grad_norm_(model.parameters(), max_norm, mesh)
+    norm = clip_grad_norm_(model.parameters(), max_norm, mesh, getattr(model, "norm_parameters", lambda: None)())
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if scheduler is not None:

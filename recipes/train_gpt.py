@@ -39,7 +39,7 @@ def parse_args(argv=None):
     p.add_argument("--pp-schedule", default="1f1b", help="gpipe, 1f1b, interleaved-1f1b, zero-bubble, zbv")
     p.add_argument("--pp-virtual", type=int, default=1, help="virtual stages per pp rank (interleaved schedules)")
     p.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default: pp)")
-    p.add_argument("--untie-embeddings", action="store_true", help="separate output head (needed with --pp > 1)")
+    p.add_argument("--untie-embeddings", action="store_true", help="a separate output head instead of the tied embedding")
     p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage over the dp axes")
     p.add_argument("--hsdp", type=int, default=1, help="HSDP replica groups (1 = plain FSDP)")
     p.add_argument("--recompute", choices=["none", "full", "selective"], default="none")

@@ -75,6 +75,11 @@ def run_parity(mesh, build_model, parallelize, batches, *, micro_batches: int = 
     par = parallelize(build_model(), mesh)
     par_opt = train.build_optimizer(par, lr, eps=1e-4)
     index, count = train.batch_slice(mesh)
+    # a tied weight has one name in the reference and may have a copy under each
+    # name elsewhere (a pipeline's first and last stages): map names to the reference's
+    canonical, seen = {}, {}
+    for n, p in ref.named_parameters(remove_duplicate=False):
+        canonical[n] = seen.setdefault(id(p), n)
 
     for x, y in batches:
         # reference: the whole global batch at once, one process
@@ -95,12 +100,12 @@ def run_parity(mesh, build_model, parallelize, batches, *, micro_batches: int = 
         report.losses.append((float(ref_loss), float(loss)))
         report.loss = max(report.loss, abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)))
         for n, p in par.named_parameters():
-            n = clean_name(n)
+            n = canonical[clean_name(n)]
             report.names.add(n)
             e = rel_err(full(p.grad), ref_grads[n], floor) if p.grad is not None else float("inf")
             if e > report.grad:
                 report.grad, report.worst_grad_name = e, n
-        norm = train.clip_grad_norm_(par.parameters(), max_norm, mesh)
+        norm = train.clip_grad_norm_(par.parameters(), max_norm, mesh, getattr(par, "norm_parameters", lambda: None)())
         report.grad_norm = max(report.grad_norm, abs(float(norm) - float(ref_norm)) / float(ref_norm))
         par_opt.step()
         par_opt.zero_grad(set_to_none=True)
@@ -108,9 +113,9 @@ def run_parity(mesh, build_model, parallelize, batches, *, micro_batches: int = 
     ref_params = dict(ref.named_parameters())
     report.ref_names = set(ref_params)
     for n, p in par.named_parameters():
-        e = rel_err(full(p), ref_params[clean_name(n)].detach().float())
+        e = rel_err(full(p), ref_params[canonical[clean_name(n)]].detach().float())
         if e > report.param:
-            report.param, report.worst_param_name = e, clean_name(n)
+            report.param, report.worst_param_name = e, canonical[clean_name(n)]
     return report
 
 

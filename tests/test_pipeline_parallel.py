@@ -12,7 +12,7 @@ from parity import assert_parity, run_parity, tiny_batches
 CFG = gpt_config("tiny", n_layers=8, tie_embeddings=False)
 
 
-def _pp_parity(rank, world, degrees, schedule, v, m, pcfg_kwargs):
+def _pp_parity(rank, world, degrees, schedule, v, m, pcfg_kwargs, cfg=CFG):
     me = mesh(**degrees)
     pcfg = ParallelConfig(**pcfg_kwargs)
 
@@ -25,7 +25,7 @@ def _pp_parity(rank, world, degrees, schedule, v, m, pcfg_kwargs):
     def fb(pipe, mbs, me):
         return pipeline_forward_backward(pipe, mbs, me, loss_fn=train.cross_entropy, loss_context=loss_context(me, pcfg))
 
-    return run_parity(me, lambda: GPT(CFG, seed=0), par, tiny_batches(CFG.vocab_size, steps=3, batch=8, seq=16),
+    return run_parity(me, lambda: GPT(cfg, seed=0), par, tiny_batches(cfg.vocab_size, steps=3, batch=8, seq=16),
                       forward_backward=fb, max_norm=0.5)
 
 
@@ -55,6 +55,22 @@ def test_pipeline_parity(pools, degrees, schedule, v, m, pcfg):
     assert len(worst.losses) == 3
 
 
+TIED = gpt_config("tiny", n_layers=8, tie_embeddings=True)
+
+
+@pytest.mark.parametrize("degrees,schedule,v", [(dict(dp=1, pp=2), "1f1b", 1), (dict(dp=1, pp=4), "interleaved-1f1b", 2),
+                                                (dict(dp=1, pp=2), "zbv", 2), (dict(dp=2, pp=2), "1f1b", 1)])
+def test_pipeline_parity_with_tied_embeddings(pools, degrees, schedule, v):
+    # the first stage's embedding and the last stage's head are one weight: their grads are summed
+    world = degrees["dp"] * degrees["pp"]
+    pcfg = dict(zero_stage=3) if degrees["dp"] > 1 else {}
+    assert_parity(pools.run(world, _pp_parity, degrees, schedule, v, 4, pcfg, TIED), tol=1e-5)
+
+
+def test_pipeline_parity_3d_dp_pp_tp(pools):
+    assert_parity(pools.run(8, _pp_parity, dict(dp=2, pp=2, tp=2), "1f1b", 1, 2, dict(zero_stage=3, sp=True)), tol=1e-5)
+
+
 def test_bad_pipeline_inputs_fail_fast():
     with pytest.raises(ValueError, match="unknown pipeline schedule 'chimera'"):
         check_pipeline("chimera", 2, 1, 4, 8)
@@ -79,7 +95,7 @@ def _bad_inputs_on_ranks(rank, world):
         except ValueError as e:
             errors.append(str(e))
     try:
-        split_model(GPT(gpt_config("tiny", n_layers=8), seed=0), mesh(dp=1, pp=world), "1f1b", 1, 4)
+        split_model(GPT(gpt_config("tiny", n_layers=1), seed=0), mesh(dp=1, pp=world), "1f1b", 1, 4)
     except ValueError as e:
         errors.append(str(e))
     return errors
@@ -87,7 +103,7 @@ def _bad_inputs_on_ranks(rank, world):
 
 def test_bad_pipeline_inputs_raise_on_every_rank(pools):
     for errors in pools.run(2, _bad_inputs_on_ranks, timeout=20):
-        assert len(errors) == 3 and "tied input/output embeddings" in errors[2]
+        assert len(errors) == 3 and "1 layers cannot be split into pp*v = 2*1 = 2 stages" in errors[2]
 
 
 def test_split_is_balanced_with_embedding_and_head_weighing_like_layers():
