@@ -23,6 +23,7 @@ module issues a collective on a sub-mesh of size 1.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -121,18 +122,6 @@ def submesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
 
 
 def degree(mesh: DeviceMesh, name: str) -> int:
-    if name in AXES:
-        return mesh.size(AXES.index(name)) if mesh.mesh_dim_names == AXES else mesh[name].size()
-    return _prod(mesh[a].size() for a in SUBMESHES[name])
-
-
-def local_rank_in(mesh: DeviceMesh, name: str) -> int:
-    """This rank's coordinate on a named (possibly flattened) sub-mesh."""
-    return submesh(mesh, name).get_local_rank() if degree(mesh, name) > 1 else 0
-
-
-def _prod(xs) -> int:
-    out = 1
-    for x in xs:
-        out *= x
-    return out
+    """Size of an axis or named sub-mesh of the one mesh (no groups created)."""
+    axes = (name,) if name in AXES else SUBMESHES[name]
+    return math.prod(mesh.size(mesh.mesh_dim_names.index(a)) for a in axes)
