@@ -101,10 +101,15 @@ def clip_grad_norm_(parameters, max_norm: float | None, mesh: DeviceMesh | None 
     parameters = [p for p in parameters if p.grad is not None]
     norm = grad_norm(parameters if norm_parameters is None else norm_parameters, mesh)
     if max_norm is not None and max_norm > 0:
-        coef = min(1.0, max_norm / (float(norm) + 1e-6))
-        if coef < 1.0:
-            for p in parameters:
-                p.grad.mul_(coef)
+        # a device tensor, not a Python float: no host sync, the CPU keeps queueing
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        # scaling each local shard scales the whole (sharded, replicated or partial) gradient
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters]
+        by_device = defaultdict(list)
+        for g in grads:
+            by_device[g.device].append(g)
+        for device, gs in by_device.items():
+            torch._foreach_mul_(gs, coef.to(device))
     return norm
 
 

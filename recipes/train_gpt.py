@@ -171,12 +171,12 @@ def main(argv=None) -> list[float]:
         loss, norm = train.train_step(model, optimizer, scheduler, loader.next(), mesh, max_norm=args.max_norm or None,
                                       forward_backward=fb)
         meter.add(global_batch * args.seq_len)
-        losses.append(float(loss))
+        losses.append(loss)     # a device tensor: reading it every step would sync the GPU
         if rank == 0 and (step % args.log_interval == 0 or step == args.steps or step == 1):
             m = meter.report()
             elapsed = time.perf_counter() - t_start
             eta = elapsed / (step - start) * (args.steps - step)
-            line = (f"step {step:>6}/{args.steps} | loss {losses[-1]:.4f} | lr {scheduler.get_last_lr()[0]:.2e} "
+            line = (f"step {step:>6}/{args.steps} | loss {float(losses[-1]):.4f} | lr {scheduler.get_last_lr()[0]:.2e} "
                     f"| grad norm {float(norm):.3f} | {m['tokens_per_s']:,.0f} tok/s "
                     f"({m['tokens_per_s_per_gpu']:,.0f}/gpu) | {m['tflops_per_gpu']:.2f} TFLOP/s/gpu")
             if "mfu" in m:
@@ -197,7 +197,7 @@ def main(argv=None) -> list[float]:
         if rank == 0:
             for r, (ids, mem) in enumerate(per_rank):
                 print(f"rank {r} stages {ids}: peak mem {mem:.2f} GiB" + (" (host RSS)" if device.type == "cpu" else ""))
-    return losses
+    return [float(x) for x in losses]
 
 
 if __name__ == "__main__":
