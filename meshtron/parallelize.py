@@ -44,6 +44,13 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig = Parall
         apply_recompute(model, cfg.recompute)
     if cfg.compile:
         for block in model.layers.values():
+            # inductor fuses LayerNorm and bias-GeLU into the neighbouring ops
+            # itself; our Triton custom ops are opaque to it and cost more than
+            # they save (H200, 1.3B: 148 ms/step without them, 253 ms with them;
+            # benchmarks/RESULTS.md), so compiled blocks use the plain ops
+            for m in block.modules():
+                if hasattr(m, "fused"):
+                    m.fused = False
             block.compile()   # in place: parameter names (and so checkpoints) stay as they are
     if degree(mesh, "dense_dp") > 1:
         apply_fsdp(model, mesh, cfg.zero_stage, cfg.hsdp, cfg.param_dtype, cfg.reduce_dtype)

@@ -75,3 +75,18 @@ def _sharded_init(rank, world):
 
 def test_init_does_not_depend_on_the_layout(pools):
     assert pools.run(4, _sharded_init) == [0.0] * 4
+
+
+def test_compiled_blocks_leave_layernorm_and_gelu_to_inductor():
+    from meshtron.parallelize import ParallelConfig, parallelize
+    from meshtron.models.gpt import LayerNorm, LinearGeLU
+
+    class OneRank:  # parallelize only reads degrees from the mesh; all size 1 here
+        mesh_dim_names = ("dp", "pp", "cp", "tp", "ep")
+
+        @staticmethod
+        def size(i):
+            return 1
+    model = parallelize(GPT(gpt_config("tiny"), seed=0), OneRank(), ParallelConfig(compile=True))
+    fused = {n: m.fused for n, m in model.named_modules() if isinstance(m, (LayerNorm, LinearGeLU))}
+    assert not any(v for n, v in fused.items() if n.startswith("layers.")) and fused["norm"] is True
