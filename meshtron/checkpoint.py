@@ -49,7 +49,8 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _fqn(name: str) -> str:
+def fqn(name: str) -> str:
+    """A parameter's name without the prefixes module wrappers insert."""
     for w in _WRAPPERS:
         name = name.replace(w, "")
     return name
@@ -63,7 +64,7 @@ def model_state(parts: list[nn.Module]) -> dict:
 def optimizer_state(parts: list[nn.Module], optimizer: torch.optim.Optimizer) -> dict:
     """AdamW state keyed by parameter name instead of position, so it reshards."""
     _init_optim_state(optimizer)   # the state exists only after a first step; loading needs its tensors
-    names = {id(p): _fqn(n) for m in parts for n, p in m.named_parameters()}
+    names = {id(p): fqn(n) for m in parts for n, p in m.named_parameters()}
     state = {names[id(p)]: optimizer.state[p] for g in optimizer.param_groups for p in g["params"] if p in optimizer.state}
     groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [names[id(p)] for p in g["params"]]}
               for g in optimizer.param_groups]

@@ -124,8 +124,7 @@ def main(argv=None) -> list[float]:
     init_distributed(args.pg_timeout)
     mesh = init_mesh(args.dp, args.pp, args.cp, args.tp, args.ep, config=cfg, seq_len=args.seq_len)
     rank = dist.get_rank()
-    device = torch.device(mesh.device_type, torch.cuda.current_device() if mesh.device_type == "cuda" else 0) \
-        if mesh.device_type == "cuda" else torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
     batch_index, batch_ranks = train.batch_slice(mesh)
     pp = degree(mesh, "pp")
     microbatches = args.microbatches or (pp if pp > 1 else 1)

@@ -16,14 +16,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from meshtron import train
+from meshtron.checkpoint import fqn as clean_name
 
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
-def clean_name(name: str) -> str:
-    for p in WRAPPER_PREFIXES:
-        name = name.replace(p, "")
-    return name
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
