@@ -359,7 +359,7 @@ def run_config(name, cfg, meshes, dev, args, world, fused_note):
     log(f"{name}: step {med_max * 1e3:.1f} ms (min {min(times) * 1e3:.1f}, max {max(times) * 1e3:.1f}) | "
         f"{tps_gpu:,.0f} tok/s/GPU | MFU {100 * mfu:.1f}% | peak {mem_max:.1f} GiB | qkv in/out {res['qkv_in_dtype']}/{res['qkv_out_dtype']} | "
         f"loss {losses[0]:.3f}->{losses[-1]:.3f} | build {build_s:.1f}s first step {first_s:.1f}s warmup {warm_s:.1f}s")
-    if args.profile_steps > 0:
+    if args.profile_steps > 0 and (not args.profile_configs or name in args.profile_configs.split(",")):
         text, info = profile_summary(step, dev, args.profile_steps, f"{name} (world {world}, rank {rank})")
         res.update(info)
         if rank == 0:
@@ -419,6 +419,7 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--configs", default=None, help="comma list (default: all for this world size)")
     p.add_argument("--profile-steps", type=int, default=2)
+    p.add_argument("--profile-configs", default=None, help="comma list of configs to profile (default: all)")
     p.add_argument("--no-fused-kernels", action="store_true")
     p.add_argument("--end-by", type=float, default=None,
                    help="epoch seconds: skip a config that would not finish by then (device leases are short)")

@@ -207,6 +207,17 @@ def gpt_plan(model: nn.Module, sp: bool, loss_parallel: bool) -> dict:
     return {k: v for k, v in plan.items() if any(_matches(k, n) for n in present)}
 
 
+def _to_autocast_dtype(mod, args, out):
+    """Under autocast a LayerNorm computes and returns fp32, so SP's all-gather of
+    its output (and the reduce-scatter of that gradient) would move fp32, twice
+    the bytes. The column-parallel linear behind the gather casts to the compute
+    dtype anyway, so casting before the gather changes no value (Megatron's
+    activations are bf16 there too)."""
+    device = out.device.type
+    if torch.is_autocast_enabled(device):
+        return out.to(torch.get_autocast_dtype(device))
+
+
 def apply_gpt_tp(model: nn.Module, mesh: DeviceMesh, sp: bool = True, loss_parallel: bool = True) -> nn.Module:
     tp_mesh = tp_mesh_of(mesh)
     tied = model.config.tie_embeddings and model.tok_embeddings is not None and model.output is not None
@@ -214,6 +225,10 @@ def apply_gpt_tp(model: nn.Module, mesh: DeviceMesh, sp: bool = True, loss_paral
     if tied:
         # both are Shard(0) over the vocabulary; re-tie so there is one parameter and one gradient
         model.output.weight = model.tok_embeddings.weight
+    if sp:
+        for name, mod in model.named_modules():
+            if name == "norm" or name.endswith(("attn_norm", "mlp_norm")):
+                mod.register_forward_hook(_to_autocast_dtype)
     if model.config.dropout > 0:
         sharded = [f"layers.{i}.attn.core" for i in model.layers]  # heads are split in attention
         if sp:  # the residual stream is split over the sequence: its dropouts are sharded too

@@ -1,3 +1,5 @@
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -159,7 +161,7 @@ def test_comm_per_layer_matches_megatron(pools):
     sp = pools.run(2, _comm_counts, True)[0]
     # SP: one all-gather before each column-parallel linear, one reduce-scatter after
     # each row-parallel one; the mirror in backward (the LayerNorm weight grads are
-    # Partial sums, reduced once per step by the optimizer or FSDP, not per layer)
+    # Partial sums, reduced once per step in one bucket (train.reduce_partial_grads) or by FSDP)
     assert sp["fwd"] == {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 0}, sp
     assert sp["bwd"] == {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 0}, sp
     nosp = pools.run(2, _comm_counts, False)[0]
@@ -220,3 +222,32 @@ def _sp_with_triton_layer_norm(rank, world):
 def test_sequence_parallel_with_the_triton_layer_norm(pools):
     (l_ref, l_tri), err = pools.run(2, _sp_with_triton_layer_norm)[0]
     assert l_tri == pytest.approx(l_ref, rel=1e-6) and err < 1e-5, (l_ref, l_tri, err)
+
+
+def _sp_autocast(rank, world):
+    cfg = gpt_config("tiny", n_layers=2)
+    (x, y), = tiny_batches(cfg.vocab_size, 1, 4, 16)
+    m = mesh(dp=1, tp=world)
+    pcfg = ParallelConfig(sp=True)
+    losses, seen = [], {}
+    for tp in (1, world):
+        model = GPT(cfg, seed=0)
+        if tp > 1:
+            model = parallelize(model, m, pcfg)
+            for name in ("layers.0.attn.qkv", "layers.1.mlp.fc1", "output"):
+                # runs after the column-parallel style's own hook: sees what the all-gather moved
+                model.get_submodule(name).register_forward_pre_hook(
+                    lambda mod, a, name=name: seen.setdefault(name, (a[0].dtype, tuple(a[0].shape))) and None)
+        with loss_context(m, pcfg)() if tp > 1 else contextlib.nullcontext():
+            losses.append(float(train.forward_backward(model, [(x, y)], m if tp > 1 else None,
+                                                       loss_context=contextlib.nullcontext,
+                                                       autocast_dtype=torch.bfloat16)))
+    return losses, seen
+
+
+def test_sp_all_gathers_move_the_compute_dtype(pools):
+    # under autocast LayerNorm returns fp32; SP must gather bf16 (half the bytes), as Megatron does
+    losses, seen = pools.run(2, _sp_autocast)[0]
+    for name, (dtype, shape) in seen.items():
+        assert dtype == torch.bfloat16 and shape[1] == 16, (name, dtype, shape)   # the whole sequence, in bf16
+    assert losses[1] == pytest.approx(losses[0], rel=1e-2), losses           # bf16 rounding, reduction order

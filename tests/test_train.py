@@ -72,3 +72,51 @@ def test_recipe_loss_does_not_depend_on_the_layout(pools):
     # AdamW (eps 1e-8) amplifies rounding differences of near-zero gradient entries
     # into ~1e-6 weight differences (see tests/parity.py), hence 1e-5 on the loss
     assert pp == pytest.approx(dp, rel=1e-5) and tp == pytest.approx(dp, rel=1e-5), (dp, pp, tp)
+
+
+def _local_adamw(rank, world, layout):
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from meshtron import ParallelConfig, parallelize
+    from meshtron.models import GPT, gpt_config
+    from meshtron.parallelize import loss_context
+    from parity import tiny_batches
+    cfg = gpt_config("tiny", n_layers=2)
+    m = mesh(dp=1, tp=2) if layout == "tp_sp" else mesh(dp=2)
+    pcfg = ParallelConfig(sp=True) if layout == "tp_sp" else ParallelConfig(zero_stage=3)
+    models = [parallelize(GPT(cfg, seed=0), m, pcfg) for _ in range(2)]
+    ours = train.build_optimizer(models[0], 1e-2, eps=1e-4)
+    # the same groups (decay / no decay) for torch's AdamW on the twin model
+    twin = dict(models[1].named_parameters())
+    names = {id(p): n for n, p in models[0].named_parameters()}
+    theirs = torch.optim.AdamW([{"params": [twin[names[id(p)]] for p in g["params"]], "weight_decay": g["weight_decay"]}
+                                for g in ours.param_groups], lr=1e-2, betas=(0.9, 0.95), eps=1e-4, foreach=True)
+    comms = []
+    for step, (x, y) in enumerate(tiny_batches(cfg.vocab_size, 3, 4, 16)):
+        for model, opt in zip(models, (ours, theirs)):
+            train.forward_backward(model, [(x, y)], m, loss_context=loss_context(m, pcfg))
+            if opt is ours and step == 0:
+                partial = sum(1 for p in model.parameters() if p.grad.placements != p.placements)
+                with CommDebugMode() as cdm:
+                    train.reduce_partial_grads(model.parameters())
+                comms.append((partial, cdm.get_total_counts()))
+                assert all(p.grad.placements == p.placements for p in model.parameters())
+            opt.step()
+            opt.zero_grad()
+    weights = max(float((p.full_tensor() - q.full_tensor()).abs().max())
+                  for p, q in zip(*(mod.parameters() for mod in models)))
+    states = [(type(ours.state[p]["exp_avg"]) is DTensor, ours.state[p]["exp_avg"].placements == p.placements,
+               float((ours.state[p]["exp_avg_sq"].full_tensor() - theirs.state[q]["exp_avg_sq"].full_tensor()).abs().max()))
+              for p, q in zip(*(mod.parameters() for mod in models))]
+    return weights, states, comms
+
+
+@pytest.mark.parametrize("layout", ["tp_sp", "zero3"])
+def test_adamw_on_local_shards_matches_torch_adamw(pools, layout):
+    # meshtron's AdamW steps on to_local() shards; torch's AdamW (foreach) on the DTensors
+    weights, states, comms = pools.run(2, _local_adamw, layout)[0]
+    assert weights < 1e-6, weights
+    assert all(is_dt and same and diff < 1e-9 for is_dt, same, diff in states), states
+    if layout == "tp_sp":   # 2 LayerNorms a layer + the final one, weight and bias: 10 Partial grads, 1 all-reduce
+        assert comms == [(10, 1)], comms
