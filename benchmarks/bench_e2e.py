@@ -3,10 +3,13 @@ torch.compile on/off) next to a plain PyTorch loop of the same model, same run.
 
     python3 benchmarks/bench_e2e.py --models 350M,1.3B --steps 10
 
-Every configuration: bf16 autocast compute, fp32 weights, fused AdamW, grad
+Every configuration: bf16 compute with fp32 master weights (the plain loop:
+torch.autocast on fp32 weights; meshtron: bf16 weights through FSDP2's mixed
+precision on the size-1 dp mesh, see parallelize.py), fused AdamW, grad
 clipping at 1.0, sequence 2048, random tokens. Step time = wall time of `steps`
 steps between two synchronisations / steps (the CPU may run ahead, as in
-training), after `warmup` steps. MFU against 989 TFLOP/s dense bf16. The loss
+training), after `warmup` steps. A config name ending in `_loss` also compiles
+the cross-entropy. MFU against 989 TFLOP/s dense bf16. The loss
 curves of kernels on and off (same init, same batches) are printed side by side.
 """
 from __future__ import annotations
@@ -24,7 +27,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from meshtron import ParallelConfig, init_mesh, parallelize, train  # noqa: E402
 from meshtron.models import GPT, gpt_config  # noqa: E402
-from meshtron.parallelize import autocast_dtype  # noqa: E402
 
 PEAK = 989e12
 
@@ -78,7 +80,8 @@ def main():
         rows = []
         for cname in configs:
             fused = cname.startswith("kernels_on")
-            compiled = cname.endswith("compiled")
+            compiled = "compiled" in cname
+            loss_fn = torch.compile(train.cross_entropy) if cname.endswith("_loss") else train.cross_entropy
             cfg = gpt_config(preset, fused_kernels=fused)
             T, mb = args.seq_len, args.micro_batch
             data = batches(cfg, 4, mb, T, device)
@@ -106,10 +109,10 @@ def main():
                 model = parallelize(model, mesh, pcfg)
                 opt = train.build_optimizer(model, 1e-4)
 
-                def step(b, model=model, opt=opt, pcfg=pcfg):
+                def step(b, model=model, opt=opt, pcfg=pcfg, loss_fn=loss_fn):
                     loss, _ = train.train_step(model, opt, None, [b], mesh, max_norm=1.0,
                                                forward_backward=lambda m, mbs, me: train.forward_backward(
-                                                   m, mbs, me, autocast_dtype=autocast_dtype(me, pcfg)))
+                                                   m, mbs, me, loss_fn=loss_fn))
                     return loss
             r = run(cname, step, data, args.warmup, args.steps, device, flops)
             rows.append(r)

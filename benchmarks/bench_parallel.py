@@ -17,9 +17,10 @@ MFU = tokens/s/GPU * GPTConfig.flops_per_token(T) / 989 TFLOP/s.
 
 Configurations (world 2): tp_meshtron_sp[_compiled], tp_stock[_compiled],
 dp_meshtron_z1, dp_meshtron_z3, dp_stock_fsdp[_compiled...]; (world 1):
-single, single_compiled. bf16: with tp only (dp=1) meshtron computes under
-torch.autocast(bf16) with fp32 parameters; so do the stock TP peer and the one-GPU
-model. Under FSDP, MixedPrecisionPolicy(bf16 params, fp32 reduce).
+single, single_compiled. bf16: meshtron always through FSDP2's
+MixedPrecisionPolicy(bf16 params, fp32 reduce), on the size-1 dp mesh when dp = 1
+(the one-GPU model and tp only); the stock TP peer under torch.autocast(bf16) on
+fp32 parameters; the stock FSDP peer with the same policy as meshtron.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from meshtron import ParallelConfig, init_mesh, parallelize, submesh  # noqa: E402
 from meshtron import train  # noqa: E402
 from meshtron.models import GPT, gpt_config  # noqa: E402
-from meshtron.parallelize import autocast_dtype, loss_context  # noqa: E402
+from meshtron.parallelize import loss_context  # noqa: E402
 
 PEAK = 989e12
 T0 = time.perf_counter()
@@ -188,8 +189,8 @@ def build(name, cfg, meshes, dev):
         model = parallelize(model, mesh, pcfg)
         materialize(model, dev)
         opt = train.build_optimizer(model, 1e-4)
-        kw = dict(autocast_dtype=autocast_dtype(mesh, pcfg), loss_context=loss_context(mesh, pcfg))
-        note = "meshtron TP+SP, loss parallel, autocast bf16"
+        kw = dict(loss_context=loss_context(mesh, pcfg))
+        note = "meshtron TP+SP, loss parallel, bf16 params (FSDP2 policy on the size-1 dp mesh), fp32 master"
     elif base == "tp_stock":
         mesh = meshes["tp"]
         model = stock_tp(model, mesh["tp"], compiled)
@@ -204,7 +205,7 @@ def build(name, cfg, meshes, dev):
         model = parallelize(model, mesh, pcfg)
         materialize(model, dev)
         opt = train.build_optimizer(model, 1e-4)
-        kw = dict(autocast_dtype=autocast_dtype(mesh, pcfg), loss_context=loss_context(mesh, pcfg))
+        kw = dict(loss_context=loss_context(mesh, pcfg))
         note = f"meshtron FSDP2 zero {base[-1]}, bf16 params, fp32 reduce"
     elif base == "dp_stock_fsdp":
         mesh = meshes["dp"]
@@ -219,8 +220,8 @@ def build(name, cfg, meshes, dev):
         model = parallelize(model, mesh, pcfg)
         materialize(model, dev)
         opt = train.build_optimizer(model, 1e-4)
-        kw = dict(autocast_dtype=autocast_dtype(mesh, pcfg), loss_context=loss_context(mesh, pcfg))
-        note = "one GPU, plain model, autocast bf16"
+        kw = dict(loss_context=loss_context(mesh, pcfg))
+        note = "one GPU, meshtron bf16 params (FSDP2 policy on the size-1 dp mesh), fp32 master"
     else:
         raise ValueError(name)
     if compiled:

@@ -167,7 +167,7 @@ def validate(path: str, config=None, verify_crc: bool = True) -> dict:
 def load(path: str, parts, optimizer=None, scheduler=None, loader=None, *, config=None,
          rebatch_by_tokens: bool = False) -> int:
     """Load into the current layout (DCP reshards) and return the saved step."""
-    meta = validate(path, config)
+    validate(path, config)
     sd = _training_state(parts, optimizer, scheduler, None, 0) if optimizer is not None else {"model": model_state(parts)}
     sd["step"] = 0
     if loader is not None:

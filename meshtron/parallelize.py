@@ -7,18 +7,23 @@
 4. FSDP (dense dp x cp x ep): last, because it shards whatever parameters
    the earlier steps left (DTensors on tp become 2-D dp x tp DTensors).
 
-Every step is skipped when its axis has size 1, so an unused axis costs nothing.
+Every step is skipped when its axis has size 1, so an unused axis costs nothing;
+except that bf16 (or fp16) training always goes through FSDP2's mixed precision,
+at dp = 1 too: bf16 weights and activations, the residual stream included, with
+fp32 master weights, as Megatron's mixed precision, and the same numerics at
+every dp degree. On a size-1 mesh its gathers are local copies. (autocast on fp32
+weights instead keeps an fp32 residual stream and recasts every weight each
+forward: 1.3B on one H200 ran at 53.8% MFU that way, 57.2% this way.)
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
 
-import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshtron.data_parallel import DTYPES, apply_fsdp
+from meshtron.data_parallel import apply_fsdp
 from meshtron.mesh import check_model_fits, degree
 from meshtron.recompute import apply_recompute
 from meshtron.tensor_parallel import apply_gpt_tp
@@ -52,8 +57,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig = Parall
                 if hasattr(m, "fused"):
                     m.fused = False
             block.compile()   # in place: parameter names (and so checkpoints) stay as they are
-    if degree(mesh, "dense_dp") > 1:
-        apply_fsdp(model, mesh, cfg.zero_stage, cfg.hsdp, cfg.param_dtype, cfg.reduce_dtype)
+    if degree(mesh, "dense_dp") > 1 or cfg.param_dtype != "fp32":
+        zero_stage = cfg.zero_stage if degree(mesh, "dense_dp") > 1 else 1   # nothing to shard over
+        apply_fsdp(model, mesh, zero_stage, cfg.hsdp, cfg.param_dtype, cfg.reduce_dtype)
     return model
 
 
@@ -61,10 +67,3 @@ def loss_context(mesh: DeviceMesh, cfg: ParallelConfig):
     """The context the loss must run in: loss_parallel when logits stay vocab-sharded."""
     from torch.distributed.tensor.parallel import loss_parallel
     return loss_parallel if degree(mesh, "tp") > 1 and cfg.loss_parallel else contextlib.nullcontext
-
-
-def autocast_dtype(mesh: DeviceMesh, cfg: ParallelConfig) -> torch.dtype | None:
-    """Without FSDP there is no parameter cast: bf16 compute comes from autocast."""
-    if cfg.param_dtype != "fp32" and degree(mesh, "dense_dp") == 1:
-        return DTYPES[cfg.param_dtype]
-    return None

@@ -331,3 +331,31 @@ def test_fsdp_over_tp_with_sp_matches_one_process(pools, zero):
     pcfg = ParallelConfig(zero_stage=zero, sp=True)
     _report(f"dp=2 x tp=2 SP zero {zero}, clipped, 2 micro-batches",
             assert_parity(pools.run(4, _parity, pcfg, 2, 0.05, {"dp": 2, "tp": 2}), FP32_TOL))
+
+
+# ---- bf16 at dp = 1: the same mixed precision as at dp > 1 --------------------------------
+
+def _bf16_losses(rank, world):
+    me = mesh(dp=world)
+    model = parallelize(build(), me, ParallelConfig(zero_stage=1, param_dtype="bf16"))
+    opt = train.build_optimizer(model, 1e-3)
+    losses = []
+    for x, y in BATCHES:
+        mb = [(x.chunk(world)[rank], y.chunk(world)[rank])]
+        losses.append(float(train.train_step(model, opt, None, mb, me, max_norm=1.0)[0]))
+    return isinstance(model, FSDPModule), losses
+
+
+def test_bf16_at_dp1_is_fsdp_mixed_precision(pools):
+    # bf16 weights and residual stream with fp32 master weights at every dp degree
+    # (not autocast on fp32 weights at dp=1), so the loss does not change with dp
+    r = pools.run(1, _one_step_observed, ParallelConfig(param_dtype="bf16"))[0]
+    d = r["dtypes"]
+    assert d["params"] == d["grads"] == d["adam"] == d["loss"] == {torch.float32}, d
+    assert d["logits"] == {torch.bfloat16}, d
+    (fsdp1, one), = pools.run(1, _bf16_losses)
+    (fsdp2, two), _ = pools.run(2, _bf16_losses)
+    assert fsdp1 and fsdp2
+    # the same bf16 roundings; only the order of the fp32 gradient sums differs
+    assert two == pytest.approx(one, rel=1e-4), (one, two)   # measured 1e-5
+    print(f"\nbf16 losses dp=1 {one}, dp=2 {two}", end="")
