@@ -8,14 +8,16 @@ torch.autocast on fp32 weights; meshtron: bf16 weights through FSDP2's mixed
 precision on the size-1 dp mesh, see parallelize.py), fused AdamW, grad
 clipping at 1.0, sequence 2048, random tokens. Step time = wall time of `steps`
 steps between two synchronisations / steps (the CPU may run ahead, as in
-training), after `warmup` steps. A config name ending in `_loss` also compiles
-the cross-entropy. MFU against 989 TFLOP/s dense bf16. The loss
+training), after `warmup` steps; `rounds` such times, their median quoted. meshtron's
+configs take the recipe's loss (`parallelize.loss_function`: cross-entropy compiled
+on a GPU); a name ending in `_eagerloss` takes the eager one. MFU against 989 TFLOP/s dense bf16. The loss
 curves of kernels on and off (same init, same batches) are printed side by side.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -27,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from meshtron import ParallelConfig, init_mesh, parallelize, train  # noqa: E402
 from meshtron.models import GPT, gpt_config  # noqa: E402
+from meshtron.parallelize import loss_function  # noqa: E402
 
 PEAK = 989e12
 
@@ -40,21 +43,27 @@ def batches(cfg, n, mb, T, device):
     return out
 
 
-def run(name, step_fn, data, warmup, steps, device, flops_per_step):
+def run(name, step_fn, data, warmup, steps, rounds, device, flops_per_step):
     losses = []
     for i in range(warmup):
         losses.append(step_fn(data[i % len(data)]))
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for i in range(steps):
-        losses.append(step_fn(data[(warmup + i) % len(data)]))
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / steps
+    times = []
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        for i in range(steps):
+            loss = step_fn(data[(warmup + i) % len(data)])
+            if r == 0:
+                losses.append(loss)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / steps)
+    dt = statistics.median(times)
     mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-    return dict(name=name, ms=dt * 1e3, mfu=flops_per_step / dt / PEAK, mem=mem, losses=[float(x) for x in losses])
+    return dict(name=name, ms=dt * 1e3, mfu=flops_per_step / dt / PEAK, mem=mem, losses=[float(x) for x in losses],
+                rounds_ms=[t * 1e3 for t in times])
 
 
 def main():
@@ -64,7 +73,8 @@ def main():
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--configs", default="plain,plain_compiled,kernels_off,kernels_on,kernels_off_compiled,kernels_on_compiled")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--configs", default="plain,plain_compiled,kernels_off,kernels_on,kernels_on_eagerloss,kernels_off_compiled")
     args = p.parse_args()
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
@@ -81,7 +91,6 @@ def main():
         for cname in configs:
             fused = cname.startswith("kernels_on")
             compiled = "compiled" in cname
-            loss_fn = torch.compile(train.cross_entropy) if cname.endswith("_loss") else train.cross_entropy
             cfg = gpt_config(preset, fused_kernels=fused)
             T, mb = args.seq_len, args.micro_batch
             data = batches(cfg, 4, mb, T, device)
@@ -107,6 +116,7 @@ def main():
             else:
                 pcfg = ParallelConfig(param_dtype="bf16", compile=compiled)
                 model = parallelize(model, mesh, pcfg)
+                loss_fn = train.cross_entropy if cname.endswith("_eagerloss") else loss_function(mesh, pcfg, device)
                 opt = train.build_optimizer(model, 1e-4)
 
                 def step(b, model=model, opt=opt, pcfg=pcfg, loss_fn=loss_fn):
@@ -114,9 +124,10 @@ def main():
                                                forward_backward=lambda m, mbs, me: train.forward_backward(
                                                    m, mbs, me, loss_fn=loss_fn))
                     return loss
-            r = run(cname, step, data, args.warmup, args.steps, device, flops)
+            r = run(cname, step, data, args.warmup, args.steps, args.rounds, device, flops)
             rows.append(r)
-            print(f"{preset} {cname}: {r['ms']:.1f} ms/step, MFU {100 * r['mfu']:.1f}%, peak {r['mem']:.1f} GiB", flush=True)
+            print(f"{preset} {cname}: {r['ms']:.1f} ms/step (rounds: {', '.join(f'{t:.1f}' for t in r['rounds_ms'])}), "
+                  f"MFU {100 * r['mfu']:.1f}%, peak {r['mem']:.1f} GiB", flush=True)
             del model, opt, step
             if cuda:
                 torch.cuda.empty_cache()

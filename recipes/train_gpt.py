@@ -24,7 +24,7 @@ from meshtron import ParallelConfig, checkpoint, degree, init_mesh, parallelize,
 from meshtron.data import BatchLoader, load_tokens  # noqa: E402
 from meshtron.metrics import Throughput, peak_memory_gib  # noqa: E402
 from meshtron.models import GPT, gpt_config  # noqa: E402
-from meshtron.parallelize import loss_context  # noqa: E402
+from meshtron.parallelize import loss_context, loss_function  # noqa: E402
 from meshtron.pipeline_parallel import pipeline_forward_backward, split_model  # noqa: E402
 
 
@@ -103,7 +103,7 @@ def build(model, mesh, pcfg, args, device, microbatches):
         fb = partial(pipeline_forward_backward, loss_fn=train.cross_entropy, loss_context=loss_context(mesh, pcfg))
     else:
         modules = [model]
-        fb = partial(train.forward_backward, loss_context=loss_context(mesh, pcfg))
+        fb = partial(train.forward_backward, loss_fn=loss_function(mesh, pcfg, device), loss_context=loss_context(mesh, pcfg))
     for m in modules:
         parallelize(m, mesh, pcfg)
         m.to_empty(device=device)
