@@ -13,15 +13,15 @@ at dp = 1 too: bf16 weights and activations, the residual stream included, with
 fp32 master weights, as Megatron's mixed precision, and the same numerics at
 every dp degree. On a size-1 mesh its gathers are local copies. (autocast on fp32
 weights instead keeps an fp32 residual stream and recasts every weight each
-forward: 1.3B on one H200 ran at 53.8% MFU that way, 57.2% this way.)
+forward: 1.3B on one H200 ran at 52.5% MFU that way, 57.2% this way.)
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
 
-import torch.nn as nn
 import torch
+import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshtron.data_parallel import apply_fsdp
@@ -68,8 +68,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig = Parall
 def loss_function(mesh: DeviceMesh, cfg: ParallelConfig, device: torch.device):
     """Cross-entropy, compiled on a GPU: inductor fuses the fp32 upcast, the
     log-softmax and its backward over the (tokens x vocabulary) logits into a few
-    passes instead of ~8 full fp32 passes (1.3B, micro-batch 16 on an H200: 13 ms
-    of a 515 ms step, benchmarks/RESULTS.md). Eager where the logits are
+    passes instead of ~8 full fp32 passes (1.3B, micro-batch 16 on an H200: 14 ms
+    of a 521 ms step, benchmarks/RESULTS.md). Eager where the logits are
     vocab-sharded DTensors (loss parallel) and on the CPU, where inductor's
     compile time outweighs the gain."""
     if device.type == "cuda" and not (degree(mesh, "tp") > 1 and cfg.loss_parallel):
