@@ -293,7 +293,7 @@ def test_mixed_precision_dtypes(pools, zero, reduce_dtype):
 def _bf16_vs_fp32(rank, world, pcfg):
     """(what bf16 costs one process, what bf16 under FSDP costs): the first is the
     fp32 run (FSDP fp32 = one process to 1e-5) against one process in bf16
-    (autocast, meshtron's bf16 without FSDP); the second FSDP in bf16 against one
+    (autocast on the plain model); the second FSDP in bf16 against one
     process in fp32. Same model, data, steps and metrics."""
     me = mesh(dp=world)
     one_process_bf16 = run_parity(me, build, lambda m, me: parallelize(m, me, ParallelConfig(zero_stage=pcfg.zero_stage)),
