@@ -119,7 +119,7 @@ def main():
                 loss_fn = train.cross_entropy if cname.endswith("_eagerloss") else loss_function(mesh, pcfg, device)
                 opt = train.build_optimizer(model, 1e-4)
 
-                def step(b, model=model, opt=opt, pcfg=pcfg, loss_fn=loss_fn):
+                def step(b, model=model, opt=opt, loss_fn=loss_fn):
                     loss, _ = train.train_step(model, opt, None, [b], mesh, max_norm=1.0,
                                                forward_backward=lambda m, mbs, me: train.forward_backward(
                                                    m, mbs, me, loss_fn=loss_fn))

@@ -196,8 +196,7 @@ def build(name, cfg, meshes, dev):
         model = stock_tp(model, mesh["tp"], compiled)
         materialize(model, dev)
         opt = optimizer_for(model)
-        kw = dict(autocast_dtype=torch.bfloat16 if dev.type == "cuda" else torch.bfloat16,
-                  loss_context=contextlib.nullcontext)
+        kw = dict(autocast_dtype=torch.bfloat16, loss_context=contextlib.nullcontext)
         note = "stock parallelize_module colwise qkv/fc1 rowwise proj/fc2, autocast bf16"
     elif base in ("dp_meshtron_z1", "dp_meshtron_z3"):
         mesh = meshes["dp"]

@@ -148,8 +148,8 @@ class AdamW(torch.optim.AdamW):
     state tensor shares its placements, so the update of the local shards is the
     update of the whole. Stepping on DTensors instead costs a DTensor dispatch
     per tensor per op (the fused step alone took 41 ms of host time a step for a
-    1.3B GPT at tp=2; benchmarks/RESULTS.md). A gradient whose placements differ
-    from its parameter's (Partial) is redistributed first."""
+    1.3B GPT at tp=2; benchmarks/RESULTS.md). Gradients left Partial are reduced
+    first (`reduce_partial_grads`)."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -157,10 +157,9 @@ class AdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # a no-op after clip_grad_norm_, which reduces them already
+        reduce_partial_grads(p for group in self.param_groups for p in group["params"])
         for group in self.param_groups:
-            for p in group["params"]:
-                if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
-                    p.grad = p.grad.redistribute(p.device_mesh, p.placements)
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
             has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
             _adamw(

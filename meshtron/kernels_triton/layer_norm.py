@@ -83,6 +83,16 @@ if HAVE_TRITON:
             tl.store(Rstd + rows, rstd, mask=rmask)
 
     @triton.jit
+    def _ln_bwd_load(X, DY, Mean, Rstd, rows, cols, cmask, n_rows, N):
+        # one block of rows for the backward (inlined): x and dy in their dtype, the
+        # saved statistics; rows past the end read as zeros
+        rmask = rows < n_rows
+        mask = rmask[:, None] & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        return (tl.load(X + offs, mask=mask, other=0.0), tl.load(DY + offs, mask=mask, other=0.0),
+                tl.load(Mean + rows, mask=rmask, other=0.0), tl.load(Rstd + rows, mask=rmask, other=0.0))
+
+    @triton.jit
     def _ln_bwd_kernel(X, DY, DX, W, Mean, Rstd, DW_part, DB_part, n_rows, N,
                        HAS_W: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
                        PREFETCH: tl.constexpr, PAIR_SUM: tl.constexpr,
@@ -101,32 +111,17 @@ if HAVE_TRITON:
         db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         if PREFETCH:
-            rmask = rows < n_rows
-            mask = rmask[:, None] & cmask[None, :]
-            offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-            x_nx = tl.load(X + offs, mask=mask, other=0.0)
-            dy_nx = tl.load(DY + offs, mask=mask, other=0.0)
-            mean_nx = tl.load(Mean + rows, mask=rmask, other=0.0)
-            rstd_nx = tl.load(Rstd + rows, mask=rmask, other=0.0)
+            x_nx, dy_nx, mean_nx, rstd_nx = _ln_bwd_load(X, DY, Mean, Rstd, rows, cols, cmask, n_rows, N)
         for _ in range(pid * BLOCK_M, n_rows, step):
             rmask = rows < n_rows
             mask = rmask[:, None] & cmask[None, :]
             offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
             if PREFETCH:
-                x, dy, mean, rstd = x_nx.to(ACC), dy_nx.to(ACC), mean_nx, rstd_nx
-                nrows = rows + step
-                nrmask = nrows < n_rows
-                nmask = nrmask[:, None] & cmask[None, :]
-                noffs = nrows.to(tl.int64)[:, None] * N + cols[None, :]
-                x_nx = tl.load(X + noffs, mask=nmask, other=0.0)
-                dy_nx = tl.load(DY + noffs, mask=nmask, other=0.0)
-                mean_nx = tl.load(Mean + nrows, mask=nrmask, other=0.0)
-                rstd_nx = tl.load(Rstd + nrows, mask=nrmask, other=0.0)
+                x, dy, mean, rstd = x_nx, dy_nx, mean_nx, rstd_nx
+                x_nx, dy_nx, mean_nx, rstd_nx = _ln_bwd_load(X, DY, Mean, Rstd, rows + step, cols, cmask, n_rows, N)
             else:
-                x = tl.load(X + offs, mask=mask, other=0.0).to(ACC)
-                dy = tl.load(DY + offs, mask=mask, other=0.0).to(ACC)
-                mean = tl.load(Mean + rows, mask=rmask, other=0.0)
-                rstd = tl.load(Rstd + rows, mask=rmask, other=0.0)
+                x, dy, mean, rstd = _ln_bwd_load(X, DY, Mean, Rstd, rows, cols, cmask, n_rows, N)
+            x, dy = x.to(ACC), dy.to(ACC)
             xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
             if HAS_W:
                 g = dy * w
