@@ -8,9 +8,11 @@ Layout on disk (one directory per saved step under a root):
 
 State is keyed by parameter name (FQN), never by layout: model weights as the
 DTensors FSDP/TP hold, AdamW state likewise, so DCP reshards on load to any
-other layout (other dp/tp/pp degrees, zero stage, or one process). A save is
-made visible by one atomic rename, after every rank has written, so a run
-killed mid-save leaves the previous checkpoint untouched.
+other layout (other dp/tp/pp degrees, zero stage, or one process). A tied weight
+has one name (its first) for its optimizer state, also where a pipeline keeps a
+copy on two stages. A save is made visible by one atomic rename, after every
+rank has written, so a run killed mid-save leaves the previous checkpoint
+untouched.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 
-from meshtron.hf import export_safetensors, import_safetensors  # noqa: F401  (meshtron.checkpoint.export_safetensors)
+from meshtron.distributed.agree import agree
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -38,6 +40,9 @@ _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.
 
 class CheckpointError(ValueError):
     pass
+
+
+STALE = "stale-"   # prefix of checkpoints set aside: never resumed, never pruned
 
 
 def _rank() -> int:
@@ -61,23 +66,36 @@ def model_state(parts: list[nn.Module]) -> dict:
     return {k: v for m in parts for k, v in m.state_dict().items()}
 
 
-def optimizer_state(parts: list[nn.Module], optimizer: torch.optim.Optimizer) -> dict:
-    """AdamW state keyed by parameter name instead of position, so it reshards."""
+def optimizer_state(parts: list[nn.Module], optimizer: torch.optim.Optimizer, names: dict[int, str] | None = None):
+    """AdamW state keyed by parameter name instead of position, so it reshards.
+    `names` (id(parameter) -> name) names tied copies by their weight's first name
+    (Pipeline.param_names). Returns the state and the pairs (kept, copy) of
+    parameters on this rank that share a name: the copy's state is the kept one's."""
     _init_optim_state(optimizer)   # the state exists only after a first step; loading needs its tensors
-    names = {id(p): fqn(n) for m in parts for n, p in m.named_parameters()}
-    state = {names[id(p)]: optimizer.state[p] for g in optimizer.param_groups for p in g["params"] if p in optimizer.state}
+    names = names or {id(p): n for m in parts for n, p in m.named_parameters()}
+    names = {k: fqn(v) for k, v in names.items()}
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state, copies, first = {}, [], {}
+    for p in params:
+        n = names[id(p)]
+        if n in first:
+            copies.append((first[n], p))
+        elif p in optimizer.state:
+            first[n] = p
+            state[n] = optimizer.state[p]
     groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [names[id(p)] for p in g["params"]]}
               for g in optimizer.param_groups]
-    return {"state": state, "param_groups": groups}
+    return {"state": state, "param_groups": groups}, copies
 
 
-def _training_state(parts, optimizer, scheduler, loader, step) -> dict:
-    sd = {"model": model_state(parts), "optim": optimizer_state(parts, optimizer), "step": step}
+def _training_state(parts, optimizer, scheduler, loader, step, names=None):
+    optim, copies = optimizer_state(parts, optimizer, names)
+    sd = {"model": model_state(parts), "optim": optim, "step": step}
     if scheduler is not None:
         sd["scheduler"] = scheduler.state_dict()
     if loader is not None:
         sd["data"] = loader.state_dict()
-    return sd
+    return sd, copies
 
 
 def _rng_key(rank: int) -> str:
@@ -92,7 +110,7 @@ def _rng_state() -> dict:
 
 
 def save(root: str, step: int, parts, optimizer, scheduler=None, loader=None, *, config=None, layout=None,
-         keep: int = 3) -> str:
+         keep: int = 3, names: dict[int, str] | None = None, model: str | None = None) -> str:
     """Write root/step-<step> from every rank; returns its path."""
     final = os.path.join(root, f"step-{step:08d}")
     tmp = os.path.join(root, f".tmp-step-{step:08d}")
@@ -103,20 +121,21 @@ def save(root: str, step: int, parts, optimizer, scheduler=None, loader=None, *,
         shutil.rmtree(tmp, ignore_errors=True)   # a save that died earlier
         os.makedirs(tmp)
     _barrier()
-    sd = _training_state(parts, optimizer, scheduler, loader, step)
+    sd, _ = _training_state(parts, optimizer, scheduler, loader, step, names)
     sd[_rng_key(_rank())] = _rng_state()        # RNG differs per rank (e.g. tp-sharded dropout)
     dcp.save(sd, checkpoint_id=tmp)
     _barrier()                                   # every rank's shards are on disk
     if _rank() == 0:
         files = {os.path.basename(f): {"size": os.path.getsize(f), "crc32": _crc32(f)}
                  for f in sorted(glob.glob(os.path.join(tmp, "*"))) + sorted(glob.glob(os.path.join(tmp, ".metadata")))}
-        meta = {"step": step, "config": _jsonable(config), "layout": layout, "files": files}
+        meta = {"step": step, "model": model, "config": _jsonable(config), "layout": _jsonable(layout),
+                "files": files}
         with open(os.path.join(tmp, "meshtron.json"), "w") as f:
             json.dump(meta, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
         os.rename(tmp, final)                    # atomic: the checkpoint exists whole or not at all
-        for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
+        for old in list_checkpoints(root)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
@@ -134,6 +153,40 @@ def latest(root: str) -> str | None:
     return ckpts[-1] if ckpts else None
 
 
+def latest_good(root: str, config=None) -> tuple[str | None, list[str]]:
+    """The newest checkpoint under root that validates, and what was wrong with
+    each newer one (a corrupt or half-copied newest checkpoint is skipped, not fatal)."""
+    skipped = []
+    for path in reversed(list_checkpoints(root)):
+        try:
+            validate(path, config)
+            return path, skipped
+        except CheckpointError as e:
+            skipped.append(str(e))
+    return None, skipped
+
+
+def step_of(path: str) -> int:
+    return int(STEP_DIR.match(os.path.basename(os.path.normpath(path))).group(1))
+
+
+def set_aside_newer(root: str, step: int) -> list[str]:
+    """Rename the checkpoints under root newer than `step` to stale-step-N (kept,
+    but never resumed or pruned), so a run resumed from an older step saves its
+    own later steps without meeting them. Rank 0 only; returns the new names."""
+    moved = []
+    for path in list_checkpoints(root):
+        if step_of(path) > step:
+            target = os.path.join(root, STALE + os.path.basename(path))
+            n = 1
+            while os.path.exists(target):
+                target = os.path.join(root, f"{STALE}{n}-{os.path.basename(path)}")
+                n += 1
+            os.rename(path, target)
+            moved.append(target)
+    return moved
+
+
 def validate(path: str, config=None, verify_crc: bool = True) -> dict:
     """Check a checkpoint before any tensor is touched: it exists, is complete,
     its files have the sizes (and CRCs) recorded at save, and it was made for
@@ -143,9 +196,13 @@ def validate(path: str, config=None, verify_crc: bool = True) -> dict:
     meta_path = os.path.join(path, "meshtron.json")
     if not os.path.isfile(meta_path):
         raise CheckpointError(f"{path} is not a complete meshtron checkpoint (no meshtron.json)")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    for name, info in meta["files"].items():
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+        files = meta["files"]
+    except (ValueError, KeyError, TypeError):
+        raise CheckpointError(f"{meta_path} is empty or not a meshtron checkpoint record") from None
+    for name, info in files.items():
         fp = os.path.join(path, name)
         if not os.path.isfile(fp):
             raise CheckpointError(f"checkpoint {path} is missing {name}")
@@ -155,7 +212,7 @@ def validate(path: str, config=None, verify_crc: bool = True) -> dict:
         if verify_crc and _crc32(fp) != info["crc32"]:
             raise CheckpointError(f"checkpoint file {fp} is corrupted (CRC mismatch)")
     if config is not None and meta["config"] is not None:
-        mine = _jsonable(config)
+        mine = json.loads(json.dumps(_jsonable(config)))    # as stored: tuples become lists
         diff = {k: (meta["config"].get(k), v) for k, v in mine.items()
                 if meta["config"].get(k) != v and k != "fused_kernels"}
         if diff:
@@ -165,19 +222,28 @@ def validate(path: str, config=None, verify_crc: bool = True) -> dict:
 
 
 def load(path: str, parts, optimizer=None, scheduler=None, loader=None, *, config=None,
-         rebatch_by_tokens: bool = False) -> int:
-    """Load into the current layout (DCP reshards) and return the saved step."""
-    validate(path, config)
-    sd = _training_state(parts, optimizer, scheduler, None, 0) if optimizer is not None else {"model": model_state(parts)}
-    sd["step"] = 0
-    if loader is not None:
-        sd["data"] = dict(loader.state_dict())
-    stored = FileSystemReader(path).read_metadata().state_dict_metadata
-    key = _rng_key(_rank())
-    if f"{key}.cpu" in stored or key in stored:
-        sd[key] = _rng_state()
-    _check_shapes(path, sd, stored)
+         rebatch_by_tokens: bool = False, names: dict[int, str] | None = None) -> int:
+    """Load into the current layout (DCP reshards) and return the saved step. Every
+    check runs on every rank first, and a problem any rank finds stops them all
+    with its message, before DCP communicates."""
+    with agree():
+        validate(path, config)
+        copies = []
+        if optimizer is not None:
+            sd, copies = _training_state(parts, optimizer, scheduler, None, 0, names)
+        else:
+            sd = {"model": model_state(parts)}
+        sd["step"] = 0
+        if loader is not None:
+            sd["data"] = dict(loader.state_dict())
+        stored = FileSystemReader(path).read_metadata().state_dict_metadata
+        key = _rng_key(_rank())
+        if f"{key}.cpu" in stored or key in stored:
+            sd[key] = _rng_state()
+        _check_shapes(path, sd, stored)
     dcp.load(sd, checkpoint_id=path)
+    for kept, copy in copies:   # a tied weight held twice on this rank: one state, two parameters
+        optimizer.state[copy] = {k: v.clone() for k, v in optimizer.state[kept].items()}
     if optimizer is not None:
         for group, saved in zip(optimizer.param_groups, sd["optim"]["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})

@@ -1,4 +1,6 @@
-"""safetensors export and import, with Hugging Face GPT-2 names for the GPT.
+"""safetensors export and import under any layout, with a model's Hugging Face
+adapter (names, tensor layouts and config.json; meshtron/models/<name>/hf.py)
+or under meshtron's own names.
 
 Export gathers one tensor at a time (full_tensor() over its dp/tp shards),
 converts it, and buffers it until the current file reaches `max_shard_bytes`;
@@ -7,71 +9,52 @@ than one file's worth of full tensors next to its own shards. Above one file
 an index json maps names to files (the Hugging Face convention). Under
 pipeline parallelism each stage's first rank writes its stage's files.
 
-Import streams the other way: each rank opens the files lazily (safe_open),
-reads one tensor, converts it and keeps its own shard.
-
-GPT-2 mapping (HF GPT-2 uses Conv1D, whose weight is the transpose of a
-Linear's, and lays c_attn out as [q; k; v] where meshtron interleaves heads):
-    tok_embeddings / pos_embeddings   transformer.wte / transformer.wpe
-    layers.i.attn_norm / mlp_norm     transformer.h.i.ln_1 / ln_2
-    layers.i.attn.qkv / attn.proj     transformer.h.i.attn.c_attn / c_proj
-    layers.i.mlp.fc1 / mlp.fc2        transformer.h.i.mlp.c_fc / c_proj
-    norm / output                     transformer.ln_f / lm_head
+Import streams the other way: each rank opens the files lazily (safe_open) and
+reads, tensor by tensor, only the block its shard covers (the whole tensor where
+the adapter must reorder it first, or FSDP-over-TP strides its shard). When the
+directory has a config.json, it must describe the model being loaded: every
+field that changes the math is compared and the differences listed.
 """
 from __future__ import annotations
 
 import json
 import os
-import re
 
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch.distributed.tensor import DTensor, distribute_tensor
-
-_NAMES = [
-    (r"tok_embeddings\.weight", "transformer.wte.weight"),
-    (r"pos_embeddings\.weight", "transformer.wpe.weight"),
-    (r"layers\.(\d+)\.attn_norm\.(weight|bias)", r"transformer.h.\1.ln_1.\2"),
-    (r"layers\.(\d+)\.attn\.qkv\.(weight|bias)", r"transformer.h.\1.attn.c_attn.\2"),
-    (r"layers\.(\d+)\.attn\.proj\.(weight|bias)", r"transformer.h.\1.attn.c_proj.\2"),
-    (r"layers\.(\d+)\.mlp_norm\.(weight|bias)", r"transformer.h.\1.ln_2.\2"),
-    (r"layers\.(\d+)\.mlp\.fc1\.(weight|bias)", r"transformer.h.\1.mlp.c_fc.\2"),
-    (r"layers\.(\d+)\.mlp\.fc2\.(weight|bias)", r"transformer.h.\1.mlp.c_proj.\2"),
-    (r"norm\.(weight|bias)", r"transformer.ln_f.\1"),
-    (r"output\.weight", "lm_head.weight"),
-]
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
-def to_hf_name(name: str) -> str:
-    for pat, rep in _NAMES:
-        if re.fullmatch(pat, name):
-            return re.sub(pat, rep, name)
-    raise KeyError(f"no GPT-2 name for {name}")
+def read_hf_config(path: str) -> dict:
+    """DIR/config.json as a dict (a clear error naming the file if it is missing or broken)."""
+    file = os.path.join(path, "config.json")
+    try:
+        with open(file) as f:
+            return json.load(f)
+    except OSError:
+        raise FileNotFoundError(f"no Hugging Face config at {file}") from None
+    except ValueError as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from None
 
 
-def _qkv_perm(dim: int, head_dim: int) -> torch.Tensor:
-    """Row order of meshtron's head-interleaved qkv in terms of HF's [q; k; v]."""
-    heads = dim // head_dim
-    idx = torch.arange(3 * dim).view(3, heads, head_dim)       # HF rows: (which, head, d)
-    return idx.permute(1, 0, 2).reshape(-1)                     # meshtron rows: (head, which, d)
+def check_hf_config(path: str, config, adapter) -> None:
+    """Refuse to load weights made for another shape: every field of the adapter's
+    MATH_FIELDS that differs between DIR/config.json and `config`, listed."""
+    theirs = adapter.from_hf_config(read_hf_config(path))
+    diff = [f"{k}: {getattr(theirs, k)!r} in {path}, {getattr(config, k)!r} here" for k in adapter.MATH_FIELDS
+            if getattr(theirs, k) != getattr(config, k)]
+    if diff:
+        raise ValueError(f"{path} holds weights for another model: " + "; ".join(diff))
 
 
-def to_hf_tensor(name: str, t: torch.Tensor, config) -> torch.Tensor:
-    if ".attn.qkv." in name:
-        t = t[torch.argsort(_qkv_perm(config.dim, config.head_dim))]   # meshtron -> HF row order
-    if name.endswith(".weight") and t.ndim == 2 and not name.startswith(("tok_", "pos_", "output")):
-        t = t.t()                                                    # Linear -> Conv1D
-    return t.contiguous()
-
-
-def from_hf_tensor(name: str, t: torch.Tensor, config) -> torch.Tensor:
-    if name.endswith(".weight") and t.ndim == 2 and not name.startswith(("tok_", "pos_", "output")):
-        t = t.t()
-    if ".attn.qkv." in name:
-        t = t[_qkv_perm(config.dim, config.head_dim)]
-    return t.contiguous()
+def _user_mode(path: str) -> None:
+    # safetensors writes through a private temporary file (mode 0600); give it the user's umask
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def _writer_info(parts):
@@ -84,13 +67,13 @@ def _writer_info(parts):
     return lead, dist.get_rank()
 
 
-def export_safetensors(model_or_parts, path: str, *, hf_names: bool = True, max_shard_bytes: int = 2 << 30) -> list[str]:
-    """Write the model's full tensors to `path` (a directory) as safetensors;
-    `hf_names` maps to GPT-2's names (loadable by transformers' GPT2LMHeadModel)."""
-    parts = model_or_parts if isinstance(model_or_parts, (list, tuple)) else [model_or_parts]
-    config = parts[0].config
-    if hf_names and config.pos_emb != "learned":
-        raise ValueError("GPT-2 has learned positions; a rotary model can be exported with hf_names=False")
+def export_safetensors(parts, path: str, config, adapter=None, *, max_shard_bytes: int = 2 << 30) -> list[str]:
+    """Write the model's full tensors to `path` (a directory) as safetensors; with
+    a Hugging Face `adapter`, under its names with its config.json (loadable by
+    transformers' from_pretrained), else under meshtron's names."""
+    parts = parts if isinstance(parts, (list, tuple)) else [parts]
+    hf_json = adapter.hf_config(config) if adapter else None    # refuses what has no HF equivalent, first
+    skip = adapter.tied_names(config) if adapter else {}
     lead, rank = _writer_info(parts)
     if rank == 0:
         os.makedirs(path, exist_ok=True)
@@ -103,18 +86,19 @@ def export_safetensors(model_or_parts, path: str, *, hf_names: bool = True, max_
         if buf:
             fname = f"model-r{rank:05d}-{len(files):05d}.safetensors"
             save_file(buf, os.path.join(path, fname), metadata={"format": "pt"})
+            _user_mode(os.path.join(path, fname))
             files.append(fname)
             index.update({k: fname for k in buf})
         buf, size = {}, 0
 
     for part in parts:
         for name, t in part.state_dict().items():
-            if name == "output.weight" and config.tie_embeddings and hf_names and part.tok_embeddings is not None:
-                continue   # HF ties lm_head to wte itself
+            if name in skip:
+                continue   # stored once, under the name it is tied to
             full = t.full_tensor() if isinstance(t, DTensor) else t   # a collective over this tensor's mesh
             if lead:
-                key = to_hf_name(name) if hf_names else name
-                buf[key] = (to_hf_tensor(name, full, config) if hf_names else full).detach().cpu().clone()
+                key = adapter.to_hf_name(name) if adapter else name
+                buf[key] = (adapter.to_hf_tensor(name, full, config) if adapter else full).detach().cpu().clone()
                 size += buf[key].numel() * buf[key].element_size()
                 if size >= max_shard_bytes:
                     flush()
@@ -127,27 +111,21 @@ def export_safetensors(model_or_parts, path: str, *, hf_names: bool = True, max_
         dist.all_gather_object(all_index, index)
     merged = {k: v for idx in all_index for k, v in idx.items()}
     if rank == 0:
-        if len(set(merged.values())) == 1 and hf_names:
+        if len(set(merged.values())) == 1:
             only = next(iter(merged.values()))
             os.replace(os.path.join(path, only), os.path.join(path, "model.safetensors"))
         else:
             with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {}, "weight_map": dict(sorted(merged.items()))}, f, indent=1)
-        if hf_names:
+        if hf_json is not None:
             with open(os.path.join(path, "config.json"), "w") as f:
-                json.dump(gpt2_config(config), f, indent=1)
+                json.dump(hf_json, f, indent=1)
+            with open(os.path.join(path, "generation_config.json"), "w") as f:
+                json.dump({"_from_model_config": True} | {k: hf_json[k] for k in ("bos_token_id", "eos_token_id")
+                                                          if k in hf_json}, f, indent=1)
     if dist.is_initialized():
         dist.barrier()
     return sorted(set(merged.values()))
-
-
-def gpt2_config(config) -> dict:
-    """transformers' GPT2Config for a meshtron GPTConfig."""
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": config.vocab_size,
-            "n_positions": config.max_seq_len, "n_embd": config.dim, "n_layer": config.n_layers,
-            "n_head": config.n_heads, "n_inner": config.ffn_mult * config.dim, "activation_function": "gelu_new",
-            "layer_norm_epsilon": config.norm_eps, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-            "tie_word_embeddings": config.tie_embeddings}
 
 
 def _hf_files(path: str) -> dict[str, str]:
@@ -162,32 +140,51 @@ def _hf_files(path: str) -> dict[str, str]:
         return {k: "model.safetensors" for k in f.keys()}
 
 
+def _block(p: DTensor):
+    """The index block of the whole tensor that this rank's shard of `p` is, or
+    None where it is no block (a strided FSDP-over-TP shard)."""
+    if not all(isinstance(pl, (Shard, Replicate)) for pl in p.placements):
+        return None
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
 @torch.no_grad()
-def import_safetensors(model_or_parts, path: str, *, hf_names: bool = True) -> None:
-    """Load (HF GPT-2 or meshtron-named) safetensors into a model under any layout,
-    one tensor at a time. Every parameter of the model must be found."""
-    parts = model_or_parts if isinstance(model_or_parts, (list, tuple)) else [model_or_parts]
-    config = parts[0].config
+def import_safetensors(parts, path: str, config, adapter=None) -> None:
+    """Load safetensors (Hugging Face names through `adapter`, else meshtron's) into
+    a model under any layout, one tensor at a time, each rank reading only its
+    shards where it can. Every parameter must be found."""
+    parts = parts if isinstance(parts, (list, tuple)) else [parts]
+    if adapter and os.path.isfile(os.path.join(path, "config.json")):
+        check_hf_config(path, config, adapter)
+    tied = adapter.tied_names(config) if adapter else {}
     weight_map = _hf_files(path)
     handles = {}
     try:
         for part in parts:
             for name, p in part.state_dict(keep_vars=True).items():
-                key = name
-                if hf_names:
-                    key = to_hf_name(name)
-                    if name == "output.weight" and key not in weight_map:
-                        key = "transformer.wte.weight"   # tied in the file
+                key = adapter.to_hf_name(name) if adapter else name
+                if key not in weight_map and name in tied:
+                    key = adapter.to_hf_name(tied[name]) if adapter else tied[name]   # stored once in the file
                 if key not in weight_map:
                     raise KeyError(f"{path} has no tensor {key!r} for parameter {name}")
                 fname = weight_map[key]
                 if fname not in handles:
                     handles[fname] = safe_open(os.path.join(path, fname), "pt").__enter__()
+                stored = handles[fname].get_slice(key)
+                block = _block(p) if isinstance(p, DTensor) and (adapter is None or adapter.sliceable(name)) else None
+                if block is not None:
+                    if tuple(stored.get_shape()) != tuple(p.shape):
+                        raise ValueError(f"{key} in {path} has shape {tuple(stored.get_shape())}, parameter {name} "
+                                         f"has {tuple(p.shape)}")
+                    p.to_local().copy_(stored[block])
+                    continue
                 full = handles[fname].get_tensor(key)
-                if hf_names:
-                    full = from_hf_tensor(name, full, config)
+                if adapter:
+                    full = adapter.from_hf_tensor(name, full, config)
                 if tuple(full.shape) != tuple(p.shape):
-                    raise ValueError(f"{key} in {path} has shape {tuple(full.shape)}, parameter {name} has {tuple(p.shape)}")
+                    raise ValueError(f"{key} in {path} has shape {tuple(full.shape)}, parameter {name} has "
+                                     f"{tuple(p.shape)}")
                 if isinstance(p, DTensor):
                     full = distribute_tensor(full.to(p.device_mesh.device_type), p.device_mesh, p.placements,
                                              src_data_rank=None).to_local()

@@ -6,6 +6,7 @@ counted), so recomputation lowers MFU, as in Megatron and PaLM.
 """
 from __future__ import annotations
 
+import json
 import time
 
 import torch
@@ -100,3 +101,44 @@ class SavedActivations:
 
     def __exit__(self, *exc):
         self._hooks.__exit__(*exc)
+
+
+class RunLog:
+    """Where a run's numbers go, from rank 0 only: the console line, --metrics-file
+    (one JSON line per logged step or evaluation, appended, so a resumed run
+    continues the file) and --tensorboard (event files; the `tensorboard` package
+    is an optional extra)."""
+
+    def __init__(self, rank: int, metrics_file: str | None, tensorboard: str | None, verbose: bool = True):
+        self.active = rank == 0
+        self.verbose = verbose
+        self.metrics_file = metrics_file if self.active else None
+        self.writer = None
+        if self.active and tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ValueError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
+            self.writer = SummaryWriter(tensorboard)
+
+    def print(self, line: str) -> None:
+        if self.active and self.verbose:
+            print(line, flush=True)
+
+    def record(self, step: int, values: dict, line: str) -> None:
+        """One logged step: the console line, a JSON line and TensorBoard scalars."""
+        if not self.active:
+            return
+        self.print(line)
+        if self.metrics_file:
+            with open(self.metrics_file, "a") as f:
+                f.write(json.dumps({"step": step} | values) + "\n")
+        if self.writer is not None:
+            for k, v in values.items():
+                if isinstance(v, (int, float)) and v is not None:
+                    self.writer.add_scalar(k, v, step)
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

@@ -7,6 +7,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 if not os.path.exists("/dev/nvidia0"):   # a GPU machine runs the real kernels
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import sys  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # harness.py, parity.py for tests in subfolders
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed.fsdp  # noqa: E402,F401  pre-import so forked workers start warm

@@ -11,6 +11,8 @@ seconds; a check on a warm pool costs tens of milliseconds.
 from __future__ import annotations
 
 import datetime
+import functools
+import gc
 import multiprocessing as mp
 import os
 import tempfile
@@ -39,10 +41,33 @@ def _worker(rank: int, world_size: int, store_path: str, conn) -> None:
             break
         fn, args, kwargs = msg
         try:
-            conn.send(("ok", fn(rank, world_size, *args, **kwargs)))
+            result = fn(rank, world_size, *args, **kwargs)
+            _release_groups()
+            conn.send(("ok", result))
         except BaseException:  # noqa: BLE001 - report everything to the parent
             conn.send(("err", traceback.format_exc()))
     dist.destroy_process_group()
+
+
+def _release_groups(keep: int = 24) -> None:
+    """Destroy the groups earlier checks made once there are more than `keep`. An
+    idle gloo group keeps a thread that wakes every 10 ms: a few hundred of them,
+    left in every pool, took most of the CPU from the tests that followed, while a
+    mesh costs milliseconds to build again. DTensor's caches hold meshes (equal by
+    layout, not by group) from earlier checks, so they are emptied too."""
+    if len(dist.distributed_c10d._world.pg_map) <= keep:
+        return
+    _MESHES.clear()
+    for obj in gc.get_objects():
+        if isinstance(obj, functools._lru_cache_wrapper) and \
+                getattr(obj, "__module__", "").startswith("torch.distributed"):
+            obj.cache_clear()
+    getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", lambda: None)()   # its C++ fast path's
+    gc.collect()
+    for pg in list(dist.distributed_c10d._world.pg_map):
+        if pg is not dist.group.WORLD:
+            dist.destroy_process_group(pg)
+    gc.collect()
 
 
 class WorkerPool:
@@ -76,7 +101,8 @@ class WorkerPool:
                         status, value = self.conns[r].recv()
                     except EOFError:   # the rank's process is gone
                         self.procs[r].join(timeout=5)
-                        raise RankError(f"rank {r} died (exit code {self.procs[r].exitcode})" + _first_error(errors))
+                        raise RankError(f"rank {r} died (exit code {self.procs[r].exitcode})"
+                                        + _first_error(errors)) from None
                     pending.discard(r)
                     if status == "ok":
                         results[r] = value
@@ -135,10 +161,16 @@ _MESHES: dict = {}
 
 
 def mesh(**degrees):
-    """A cached mesh for this layout (creating gloo groups costs a rendezvous)."""
+    """A mesh for this layout, shared by the calls within one check."""
     from meshtron import init_mesh
 
     key = tuple(sorted(degrees.items()))
     if key not in _MESHES:
         _MESHES[key] = init_mesh(device_type="cpu", **degrees)
     return _MESHES[key]
+
+
+def train(rank, world, argv, exit_after=None):
+    """The recipe's whole run on a pool rank: parse argv, build, train; the losses."""
+    from meshtron.trainer import main
+    return main(argv, exit_after=exit_after)

@@ -12,12 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from meshtron import train
 from meshtron.checkpoint import fqn as clean_name
-
+from meshtron.distributed.mesh import batch_slice, degree
+from meshtron.distributed.pipeline_parallel import Pipeline
+from meshtron.distributed.reduce import clip_grad_norm_
+from meshtron.models.common.moe import end_step, moe_blocks
+from meshtron.optim import build_optimizer
+from meshtron.trainer import forward_backward
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -36,6 +39,8 @@ class ParityReport:
     grad: float = 0.0
     param: float = 0.0
     grad_norm: float = 0.0
+    aux: float = 0.0                            # mixture of experts: the aux loss and the expert biases
+    buffer: float = 0.0
     worst_grad_name: str = ""
     worst_param_name: str = ""
     names: set = field(default_factory=set)     # parameters this rank checked
@@ -44,16 +49,15 @@ class ParityReport:
 
     @property
     def worst(self) -> float:
-        return max(self.loss, self.grad, self.param, self.grad_norm)
+        return max(self.loss, self.grad, self.param, self.grad_norm, self.aux, self.buffer)
 
 
 def run_parity(mesh, build_model, parallelize, batches, *, micro_batches: int = 1, lr: float = 1e-3,
-               max_norm: float | None = None, forward_backward=None, fb_kwargs=None, ref_fb_kwargs=None) -> ParityReport:
+               max_norm: float | None = None, fb_kwargs=None, ref_fb_kwargs=None) -> ParityReport:
     """batches: list of global (x, y) batches, one per optimizer step.
-    parallelize(model, mesh) -> model under the layout. forward_backward runs the
-    parallel side (default meshtron.train.forward_backward; pipeline parallelism
-    passes its own); the reference always runs the plain one."""
-    forward_backward = forward_backward or train.forward_backward
+    parallelize(model, mesh) -> the model under the layout, or a Pipeline of its
+    stages. Both sides run the trainer's forward_backward, clipping and AdamW;
+    the reference is the plain model on the whole batch, in this process."""
     report = ParityReport()
 
     # AdamW's step is lr * g / (|g| + eps) per entry (first step): for entries with
@@ -65,48 +69,63 @@ def run_parity(mesh, build_model, parallelize, batches, *, micro_batches: int = 
     # matter here, ~1e-3) keeps AdamW's state and update rule but weighs each
     # entry's step by its size, so weight errors track gradient errors.
     ref = build_model()
-    ref_opt = train.build_optimizer(ref, lr, eps=1e-4)
+    ref_opt = build_optimizer(ref, lr, eps=1e-4)
     par = parallelize(build_model(), mesh)
-    par_opt = train.build_optimizer(par, lr, eps=1e-4)
-    index, count = train.batch_slice(mesh)
+    pipeline = par if isinstance(par, Pipeline) else None
+    parts = pipeline.parts if pipeline else [par]
+    par_opt = build_optimizer(parts, lr, eps=1e-4)
+    index, count = batch_slice(mesh)
     # a tied weight has one name in the reference and may have a copy under each
     # name elsewhere (a pipeline's first and last stages): map names to the reference's
     canonical, seen = {}, {}
     for n, p in ref.named_parameters(remove_duplicate=False):
         canonical[n] = seen.setdefault(id(p), n)
 
+    ref_micro = (ref_fb_kwargs or {}).get("microbatches", 1)
     for x, y in batches:
-        # reference: the whole global batch at once, one process
-        ref_loss = train.forward_backward(ref, [(x, y)], None, **(ref_fb_kwargs or {}))
+        # reference: the whole global batch, one process; in micro-batches, its i-th
+        # holds every rank's i-th (what an MoE's routing statistics sum over)
+        xr, yr = (t.view(count, ref_micro, -1, t.shape[-1]).transpose(0, 1).reshape(t.shape) for t in (x, y))
+        ref_loss = forward_backward([ref], xr, yr, None, **(ref_fb_kwargs or {}))
         ref_grads = {n: p.grad.detach().float().clone() for n, p in ref.named_parameters()}
         # a gradient that is zero in exact arithmetic (a key bias: softmax ignores a
         # per-row shift) is pure rounding noise, and noise has no relative error:
         # measure such tensors against 1e-3 of the whole gradient's norm instead
         floor = 1e-3 * float(torch.stack([g.norm() for g in ref_grads.values()]).norm())
-        ref_norm = train.clip_grad_norm_(ref.parameters(), max_norm)
+        ref_norm = clip_grad_norm_(ref.parameters(), max_norm)
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
 
         # parallel: this rank's slice of the batch, in micro-batches
         xs, ys = x.chunk(count)[index], y.chunk(count)[index]
-        mbs = list(zip(xs.chunk(micro_batches), ys.chunk(micro_batches)))
-        loss = forward_backward(par, mbs, mesh, **(fb_kwargs or {}))
+        loss = forward_backward(parts, xs, ys, mesh, microbatches=micro_batches, pipeline=pipeline,
+                                **(fb_kwargs or {}))
         report.losses.append((float(ref_loss), float(loss)))
         report.loss = max(report.loss, abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)))
-        for n, p in par.named_parameters():
+        for n, p in (np for m in parts for np in m.named_parameters()):
             n = canonical[clean_name(n)]
             report.names.add(n)
             e = rel_err(full(p.grad), ref_grads[n], floor) if p.grad is not None else float("inf")
             if e > report.grad:
                 report.grad, report.worst_grad_name = e, n
-        norm = train.clip_grad_norm_(par.parameters(), max_norm, mesh, getattr(par, "norm_parameters", lambda: None)())
+        norm = clip_grad_norm_([p for m in parts for p in m.parameters()], max_norm, mesh,
+                               pipeline.norm_parameters() if pipeline else None)
         report.grad_norm = max(report.grad_norm, abs(float(norm) - float(ref_norm)) / float(ref_norm))
         par_opt.step()
         par_opt.zero_grad(set_to_none=True)
+        if moe_blocks([ref]):
+            ref_stats, stats = end_step(moe_blocks([ref])), end_step(moe_blocks(parts))
+            if pipeline is not None and degree(mesh, "pp") > 1:
+                torch.distributed.all_reduce(stats, group=mesh["pp"].get_group())
+            report.aux = max(report.aux, abs(float(stats[0] - ref_stats[0])) / float(ref_stats[0]))
 
+    ref_buffers = dict(ref.named_buffers())
+    for n, b in (nb for m in parts for nb in m.named_buffers()):
+        if n.endswith("expert_bias"):
+            report.buffer = max(report.buffer, rel_err(b.float(), ref_buffers[clean_name(n)].float()))
     ref_params = dict(ref.named_parameters())
     report.ref_names = set(ref_params)
-    for n, p in par.named_parameters():
+    for n, p in (np for m in parts for np in m.named_parameters()):
         e = rel_err(full(p), ref_params[canonical[clean_name(n)]].detach().float())
         if e > report.param:
             report.param, report.worst_param_name = e, canonical[clean_name(n)]
@@ -122,7 +141,8 @@ def assert_parity(reports: list[ParityReport], tol: float) -> ParityReport:
     worst = max(reports, key=lambda r: r.worst)
     assert worst.worst < tol, (
         f"parity failed (tol {tol:g}): loss {worst.loss:.3g}, grad {worst.grad:.3g} ({worst.worst_grad_name}), "
-        f"param {worst.param:.3g} ({worst.worst_param_name}), grad norm {worst.grad_norm:.3g}; losses {worst.losses}")
+        f"param {worst.param:.3g} ({worst.worst_param_name}), grad norm {worst.grad_norm:.3g}, aux {worst.aux:.3g}, "
+        f"expert bias {worst.buffer:.3g}; losses {worst.losses}")
     return worst
 
 
@@ -133,3 +153,35 @@ def tiny_batches(vocab: int, steps: int, batch: int, seq: int, seed: int = 0):
         xy = torch.randint(0, vocab, (batch, seq + 1), generator=g)
         out.append((xy[:, :-1], xy[:, 1:]))
     return out
+
+
+def layout(pcfg, spec=None):
+    """run_parity's `parallelize`: the model's spec (the GPT's by default) under pcfg."""
+    from meshtron.models import gpt
+    spec = spec or gpt.SPEC
+
+    def apply(model, mesh):
+        spec.parallelize(model, mesh, pcfg)
+        return model
+    return apply
+
+
+def pipelined(pcfg, spec, cfg, microbatches: int = 2, schedule: str = "1f1b"):
+    """run_parity's `parallelize` for pp=2: the model's split, each stage under pcfg."""
+    from meshtron.distributed.pipeline_parallel import split_model
+    from meshtron.loss import cross_entropy_sum
+
+    def apply(model, mesh):
+        pipe = split_model(model, mesh, schedule, 1, microbatches, spec.pipeline_split(cfg, 2))
+        for part in pipe.parts:
+            spec.parallelize(part, mesh, pcfg)
+        pipe.build_schedule(cross_entropy_sum)
+        return pipe
+    return apply
+
+
+def fb_kwargs(mesh, pcfg) -> dict:
+    """What the trainer passes forward_backward for this layout."""
+    from meshtron.distributed.mesh import degree
+    from meshtron.distributed.tensor_parallel import loss_context
+    return {"loss_context": loss_context(degree(mesh, "tp"), pcfg.loss_parallel), "zero": pcfg.zero}

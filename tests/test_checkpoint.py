@@ -6,10 +6,12 @@ import sys
 import pytest
 import torch
 
-from harness import RankError
-from meshtron import checkpoint
+from meshtron import checkpoint, hf
 from meshtron.models import GPT, gpt_config
-from test_train import _train
+from meshtron.models.gpt import hf as gpt2
+
+from harness import RankError
+from harness import train as _train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMON = ["--model", "tiny", "--untie-embeddings", "--steps", "6", "--seq-len", "32", "--global-batch", "8",
@@ -26,15 +28,15 @@ LAYOUTS = {
 }
 
 
-def run(pools, layout, *extra):
+def run(pools, layout, *extra, exit_after=None):
     world, flags = LAYOUTS[layout]
-    return pools.run(world, _train, COMMON + flags + list(extra), timeout=300)[0]
+    return pools.run(world, _train, COMMON + flags + list(extra), exit_after, timeout=300)[0]
 
 
 @pytest.mark.parametrize("layout", ["dp2-zero3", "tp2-sp", "pp2"])
 def test_exact_resume(pools, tmp_path, layout):
     straight = run(pools, layout)
-    first = run(pools, layout, "--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3", "--exit-after", "3")
+    first = run(pools, layout, "--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3", exit_after=3)
     assert checkpoint.latest(str(tmp_path)).endswith("step-00000003")
     second = run(pools, layout, "--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3", "--resume", "auto")
     assert first + second == straight          # bit for bit in float32 on the CPU
@@ -43,13 +45,13 @@ def test_exact_resume(pools, tmp_path, layout):
 @pytest.mark.parametrize("target", ["tp4", "dp4-zero1", "pp2-dp2", "single"])
 def test_resharding_on_load(pools, tmp_path, target):
     straight = run(pools, "dp2-tp2-zero3")
-    run(pools, "dp2-tp2-zero3", "--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3", "--exit-after", "3")
+    run(pools, "dp2-tp2-zero3", "--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3", exit_after=3)
     after = run(pools, target, "--checkpoint-dir", str(tmp_path), "--resume", "auto", "--checkpoint-interval", "100")
     assert after == pytest.approx(straight[3:], rel=1e-5), (after, straight[3:])
 
 
 def test_killed_save_leaves_previous_checkpoint_loadable(pools, tmp_path):
-    run(pools, "dp2-zero3", "--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3", "--exit-after", "3")
+    run(pools, "dp2-zero3", "--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3", exit_after=3)
     with pytest.raises(RankError, match="died"):
         pools.run(2, _die_during_save, COMMON + LAYOUTS["dp2-zero3"][1] + ["--checkpoint-dir", str(tmp_path),
                   "--checkpoint-interval", "3", "--resume", "auto"], timeout=120)
@@ -57,7 +59,8 @@ def test_killed_save_leaves_previous_checkpoint_loadable(pools, tmp_path):
     assert checkpoint.latest(str(tmp_path)).endswith("step-00000003")
     checkpoint.validate(checkpoint.latest(str(tmp_path)))
     straight = run(pools, "dp2-zero3")
-    resumed = run(pools, "dp2-zero3", "--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3", "--resume", "auto")
+    resumed = run(pools, "dp2-zero3", "--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3",
+                  "--resume", "auto")
     assert resumed == straight[3:]
     assert not any(d.startswith(".tmp") for d in os.listdir(tmp_path))                # cleaned by the next save
 
@@ -79,7 +82,7 @@ def _die_during_save(rank, world, argv):
 
 
 def test_bad_checkpoints_fail_clearly_and_nothing_is_overwritten(pools, tmp_path):
-    run(pools, "dp2-zero3", "--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3", "--exit-after", "3")
+    run(pools, "dp2-zero3", "--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3", exit_after=3)
     ck = checkpoint.latest(str(tmp_path))
     model = GPT(gpt_config("tiny", tie_embeddings=False), seed=0)
     with pytest.raises(checkpoint.CheckpointError, match="no checkpoint directory"):
@@ -118,17 +121,18 @@ def test_bad_checkpoints_fail_clearly_and_nothing_is_overwritten(pools, tmp_path
 
 def test_fault_recovery_under_torchrun_max_restarts(pools, tmp_path):
     """Rank 1 dies at step 5; torchrun restarts the job, which resumes from step 4."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1", "--standalone",
-           os.path.join(ROOT, "recipes", "train_gpt.py")] + COMMON + LAYOUTS["dp2-zero3"][1] + [
+    env = dict(os.environ, OMP_NUM_THREADS="1", MESHTRON_CRASH_AT_STEP="5")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
+           "--standalone",
+           os.path.join(ROOT, "recipes", "train.py")] + COMMON + LAYOUTS["dp2-zero3"][1] + [
            "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-interval", "2", "--resume", "auto",
-           "--crash-at-step", "5", "--log-interval", "1", "--pg-timeout", "30"]
+           "--log-interval", "1", "--pg-timeout", "30"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "resumed from" in out.stdout and "step-00000004 at step 4" in out.stdout
-    lines = [l for l in out.stdout.splitlines() if l.startswith("step")]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("step")]
     assert lines[-1].startswith("step      6/6")
-    logged = {int(l.split()[1].split("/")[0]): float(l.split("loss ")[1].split()[0]) for l in lines}
+    logged = {int(line.split()[1].split("/")[0]): float(line.split("loss ")[1].split()[0]) for line in lines}
     straight = run(pools, "dp2-zero3")
     assert [logged[s] for s in (5, 6)] == [round(x, 4) for x in straight[4:]]   # nothing lost
     assert checkpoint.latest(str(tmp_path / "ck")).endswith("step-00000006")
@@ -137,11 +141,13 @@ def test_fault_recovery_under_torchrun_max_restarts(pools, tmp_path):
 # ---- safetensors export / import with Hugging Face GPT-2 ------------------------
 
 def _export(rank, world, path, degrees, max_shard_bytes):
+    from meshtron import ParallelConfig
+
     from harness import mesh
-    from meshtron import ParallelConfig, parallelize
+    from parity import layout
     cfg = gpt_config("tiny")
-    model = parallelize(GPT(cfg, seed=5), mesh(**degrees), ParallelConfig(zero_stage=3, sp=degrees.get("tp", 1) > 1))
-    files = checkpoint.export_safetensors(model, path, max_shard_bytes=max_shard_bytes)
+    model = layout(ParallelConfig(zero=3, sp=degrees.get("tp", 1) > 1))(GPT(cfg, seed=5), mesh(**degrees))
+    files = hf.export_safetensors(model, path, cfg, gpt2, max_shard_bytes=max_shard_bytes)
     x = torch.arange(24).view(2, 12) % cfg.vocab_size
     return files, GPT(cfg, seed=5)(x).detach()
 
@@ -158,17 +164,17 @@ def test_export_loads_in_transformers_with_the_same_logits(pools, tmp_path):
 
 
 def _import(rank, world, path, degrees):
+    from meshtron import ParallelConfig
+
     from harness import mesh
-    from meshtron import ParallelConfig, parallelize
-    from meshtron.parallelize import loss_context
+    from parity import layout
     cfg = gpt_config("tiny", vocab_size=320)
     m = mesh(**degrees)
-    pcfg = ParallelConfig(zero_stage=3, sp=True, loss_parallel=False)
-    model = parallelize(GPT(cfg, seed=None), m, pcfg)   # uninitialized: everything must come from the file
-    checkpoint.import_safetensors(model, path)
+    pcfg = ParallelConfig(zero=3, sp=degrees.get("tp", 1) > 1, loss_parallel=False)
+    model = layout(pcfg)(GPT(cfg, seed=None), m)   # uninitialized: everything must come from the file
+    hf.import_safetensors(model, path, cfg, gpt2)
     x = torch.arange(24).view(2, 12) % cfg.vocab_size
-    with loss_context(m, pcfg)():
-        return model(x).detach()
+    return model(x).detach()
 
 
 def test_import_of_a_transformers_gpt2_gives_the_same_logits(pools, tmp_path):
@@ -187,3 +193,76 @@ def test_import_of_a_transformers_gpt2_gives_the_same_logits(pools, tmp_path):
     for world, degrees in ((1, dict(dp=1)), (4, dict(dp=2, tp=2))):
         ours = pools.run(world, _import, str(tmp_path), degrees)[0]
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+# ---- recovery: a corrupt newest checkpoint, a resume from an older one (issue 11, point 10) ----
+
+def _flip_a_byte(ck_dir):
+    shard = next(f for f in sorted(os.listdir(ck_dir)) if f.endswith(".distcp"))
+    with open(os.path.join(ck_dir, shard), "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_resume_auto_skips_a_corrupt_newest_checkpoint(pools, tmp_path):
+    straight = run(pools, "dp2-zero3")
+    run(pools, "dp2-zero3", "--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3")   # step-3, step-6
+    _flip_a_byte(tmp_path / "step-00000006")
+    resumed = run(pools, "dp2-zero3", "--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3",
+                  "--resume", "auto")
+    assert resumed == straight[3:]                              # from step 3, exactly
+    assert sorted(os.listdir(tmp_path)) == ["stale-step-00000006", "step-00000003", "step-00000006"]
+    checkpoint.validate(str(tmp_path / "step-00000006"))        # the new save is whole
+
+
+def test_resuming_an_older_checkpoint_into_the_same_directory(pools, tmp_path):
+    # the newer checkpoints are set aside (kept, never resumed), so the run's own saves do not collide
+    straight = run(pools, "dp2-zero3")
+    run(pools, "dp2-zero3", "--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3")
+    again = run(pools, "tp2-sp", "--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3",
+                "--resume", str(tmp_path / "step-00000003"))
+    assert again == pytest.approx(straight[3:], rel=1e-5)
+    assert sorted(os.listdir(tmp_path)) == ["stale-step-00000006", "step-00000003", "step-00000006"]
+
+
+def test_a_fresh_run_into_a_used_directory_is_refused_before_training(pools, tmp_path):
+    run(pools, "dp2-zero3", "--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3", exit_after=3)
+    with pytest.raises(RankError, match="already holds checkpoints \\(newest step-00000003\\): pass --resume auto"):
+        run(pools, "dp2-zero3", "--checkpoint-dir", str(tmp_path))
+
+
+def test_an_empty_checkpoint_record_is_a_clear_error(tmp_path):
+    (tmp_path / "step-00000001").mkdir()
+    (tmp_path / "step-00000001" / "meshtron.json").write_text("")
+    with pytest.raises(checkpoint.CheckpointError, match="meshtron.json is empty or not a meshtron checkpoint record"):
+        checkpoint.validate(str(tmp_path / "step-00000001"))
+    assert checkpoint.latest_good(str(tmp_path)) == (None, [f"{tmp_path}/step-00000001/meshtron.json is empty or "
+                                                            "not a meshtron checkpoint record"])
+
+
+def _one_stage_misses_a_tensor(rank, world, argv):
+    import meshtron.checkpoint as ck
+    real = ck._check_shapes
+
+    def check(path, sd, stored):
+        if rank == 1:   # the last pipeline stage
+            raise ck.CheckpointError(f"checkpoint {path} has no tensor 'model.output.weight'")
+        return real(path, sd, stored)
+
+    ck._check_shapes = check
+    try:
+        return _train(rank, world, argv)
+    except ck.CheckpointError as e:
+        return str(e).splitlines()[0]
+    finally:
+        ck._check_shapes = real
+
+
+def test_a_checkpoint_problem_one_stage_finds_stops_every_rank(pools, tmp_path):
+    # issue 11, point 9: not one CheckpointError and the other ranks dying with "Connection closed by peer"
+    run(pools, "dp2-zero3", "--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3", exit_after=3)
+    argv = COMMON + LAYOUTS["pp2"][1] + ["--checkpoint-dir", str(tmp_path), "--resume", "auto"]
+    assert pools.run(2, _one_stage_misses_a_tensor, argv, timeout=60) == [
+        f"checkpoint {tmp_path}/step-00000003 has no tensor 'model.output.weight'"] * 2

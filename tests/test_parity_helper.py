@@ -1,9 +1,12 @@
 """The parity helper itself: it passes a correct layout and catches wrong ones."""
 import pytest
 
-from harness import mesh
-from meshtron import ParallelConfig, parallelize, train
+from meshtron import ParallelConfig
+from meshtron.loss import cross_entropy_sum
 from meshtron.models import GPT, gpt_config
+from meshtron.models.gpt import parallelize_gpt
+
+from harness import mesh
 from parity import assert_parity, run_parity, tiny_batches
 
 CFG = gpt_config("tiny", n_layers=2)
@@ -13,9 +16,13 @@ def build():
     return GPT(CFG, seed=0)
 
 
+def zero3(model, me):
+    parallelize_gpt(model, me, ParallelConfig(zero=3))
+    return model
+
+
 def _correct(rank, world):
-    return run_parity(mesh(dp=world), build, lambda m, me: parallelize(m, me, ParallelConfig(zero_stage=3)),
-                      tiny_batches(CFG.vocab_size, steps=3, batch=4, seq=16))
+    return run_parity(mesh(dp=world), build, zero3, tiny_batches(CFG.vocab_size, steps=3, batch=4, seq=16))
 
 
 def _no_grad_reduction(rank, world):
@@ -24,12 +31,9 @@ def _no_grad_reduction(rank, world):
 
 
 def _micro_batches_summed(rank, world):
-    # gradient accumulation that sums micro-batch losses instead of averaging them
-    def summed(model, mbs, me, **kw):
-        return train.forward_backward(model, mbs, me, loss_fn=lambda lg, y: len(mbs) * train.cross_entropy(lg, y))
-    return run_parity(mesh(dp=world), build, lambda m, me: parallelize(m, me, ParallelConfig(zero_stage=3)),
-                      tiny_batches(CFG.vocab_size, steps=3, batch=8, seq=16), micro_batches=2,
-                      forward_backward=summed)
+    # gradient accumulation that counts each micro-batch's tokens as the whole batch
+    return run_parity(mesh(dp=world), build, zero3, tiny_batches(CFG.vocab_size, steps=3, batch=8, seq=16),
+                      micro_batches=2, fb_kwargs={"loss_fn": lambda lg, y: 2 * cross_entropy_sum(lg, y)})
 
 
 def test_parity_helper_passes_a_correct_layout(pools):

@@ -17,14 +17,22 @@ every rank owns its columns; when rows are sharded, db is a partial sum.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._common import (HAVE_TRITON, as_rows, dtensor_locals, interpreting, new_empty, num_sms,
-                      sum_partials, triton, tl, use_triton)
+from ._common import (
+    HAVE_TRITON,
+    as_rows,
+    dtensor_locals,
+    interpreting,
+    new_empty,
+    num_sms,
+    sum_partials,
+    tl,
+    triton,
+    use_triton,
+)
 
 APPROXIMATIONS = ("tanh", "none")
 

@@ -20,14 +20,22 @@ local shard is a partial sum (``Partial()``), reduced later by its placements.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._common import (HAVE_TRITON, as_rows, dtensor_locals, interpreting, new_empty, num_sms,
-                      sum_partials, triton, tl, use_triton)
+from ._common import (
+    HAVE_TRITON,
+    as_rows,
+    dtensor_locals,
+    interpreting,
+    new_empty,
+    num_sms,
+    sum_partials,
+    tl,
+    triton,
+    use_triton,
+)
 
 # Widest row the Triton kernels hold in registers; wider rows take the PyTorch path.
 MAX_TRITON_H = 16384
@@ -188,9 +196,9 @@ def bwd_config(n: int) -> tuple[int, int, int, bool, bool]:
     return 1, 8, 1, False, False
 
 
-def ln_fwd_rows(x2d: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
-                block_m: Optional[int] = None, num_warps: Optional[int] = None,
-                even: Optional[bool] = None):
+def ln_fwd_rows(x2d: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
+                block_m: int | None = None, num_warps: int | None = None,
+                even: bool | None = None):
     """Triton forward on a contiguous (rows, H) tensor: returns y, mean, rstd (fp32)."""
     m, n = x2d.shape
     y = new_empty((m, n), x2d.dtype, x2d.device)
@@ -210,11 +218,11 @@ def ln_fwd_rows(x2d: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], e
     return y, mean, rstd
 
 
-def ln_bwd_rows(dy2d: Tensor, x2d: Tensor, weight: Optional[Tensor], mean: Tensor, rstd: Tensor,
+def ln_bwd_rows(dy2d: Tensor, x2d: Tensor, weight: Tensor | None, mean: Tensor, rstd: Tensor,
                 need_dw: bool, need_db: bool, w_dtype: torch.dtype, b_dtype: torch.dtype,
-                block_m: Optional[int] = None, num_warps: Optional[int] = None,
-                per_sm: Optional[int] = None, prefetch: Optional[bool] = None,
-                pair_sum: Optional[bool] = None, reduce_partials: bool = True):
+                block_m: int | None = None, num_warps: int | None = None,
+                per_sm: int | None = None, prefetch: bool | None = None,
+                pair_sum: bool | None = None, reduce_partials: bool = True):
     """Triton backward on contiguous (rows, H) tensors: returns dx, dw or None, db or None."""
     m, n = x2d.shape
     dx = new_empty((m, n), x2d.dtype, x2d.device)
@@ -242,11 +250,11 @@ def ln_bwd_rows(dy2d: Tensor, x2d: Tensor, weight: Optional[Tensor], mean: Tenso
 
 
 # --------------------------------------------------------------------------- autograd
-# Eager calls go through a plain autograd.Function (about a third of the Python
-# time of calling the custom ops eagerly, measured with the kernels stubbed out); under torch.compile the same math runs as
-# the custom ops below, which compile keeps whole (their fake impls give shapes,
-# register_autograd gives the backward).
-def _fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float):
+# Eager calls go through a plain autograd.Function (about a third of the Python time of
+# calling the custom ops eagerly); under torch.compile the same math runs as the custom
+# ops below, which compile keeps whole (their fake impls give shapes, register_autograd
+# gives the backward).
+def _fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float):
     y, mean, rstd = ln_fwd_rows(as_rows(x), weight, bias, eps)
     return y.view(x.shape), mean, rstd
 
@@ -277,7 +285,7 @@ class _LayerNormFunction(torch.autograd.Function):
 
 
 @torch.library.custom_op("meshtron::layer_norm_fwd", mutates_args=())
-def _layer_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+def _layer_norm_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None,
                     eps: float) -> tuple[Tensor, Tensor, Tensor]:
     return _fwd(x, weight, bias, eps)
 
@@ -290,7 +298,7 @@ def _(x, weight, bias, eps):
 
 
 @torch.library.custom_op("meshtron::layer_norm_bwd", mutates_args=())
-def _layer_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, rstd: Tensor,
+def _layer_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rstd: Tensor,
                     need_dw: bool, need_db: bool, b_dtype: torch.dtype
                     ) -> tuple[Tensor, Tensor, Tensor]:
     dx, dw, db = _bwd(dy, x, weight, mean, rstd, need_dw, need_db, b_dtype)
@@ -329,7 +337,7 @@ _layer_norm_fwd.register_autograd(_ln_backward, setup_context=_ln_setup_context)
 
 
 # --------------------------------------------------------------------------- public API
-def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float = 1e-5,
+def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float = 1e-5,
                impl: str = "auto") -> Tensor:
     """LayerNorm over the last dim of ``x``; ``weight``/``bias`` of shape (H,) or None.
 

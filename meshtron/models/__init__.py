@@ -1,3 +1,44 @@
-from meshtron.models.gpt import GPT, GPTConfig, PRESETS, gpt_config
+"""The model registry: every preset name maps to its model's spec.
 
-__all__ = ["GPT", "GPTConfig", "PRESETS", "gpt_config"]
+    spec, config = meshtron.models.get("llama-1B")
+
+Adding a model: a folder with its SPEC, and one line in MODELS.
+"""
+from meshtron.models import gpt, llama
+from meshtron.models.common.moe import MoEConfig
+from meshtron.models.gpt import GPT, GPTConfig, gpt_config
+from meshtron.models.spec import ModelSpec
+
+MODELS: dict[str, ModelSpec] = {"gpt": gpt.SPEC, "llama": llama.SPEC}
+PRESETS: dict[str, ModelSpec] = {preset: spec for spec in MODELS.values() for preset in spec.presets}
+
+
+def from_hf(path: str):
+    """(spec, model config) of a Hugging Face model directory, by its config.json's model_type."""
+    from meshtron.hf import read_hf_config
+    d = read_hf_config(path)
+    for spec in MODELS.values():
+        if spec.hf is not None and spec.hf.MODEL_TYPE == d.get("model_type"):
+            return spec, spec.hf.from_hf_config(d)
+    known = [spec.hf.MODEL_TYPE for spec in MODELS.values() if spec.hf is not None]
+    raise ValueError(f"{path}/config.json has model_type {d.get('model_type')!r}; meshtron builds {known}")
+
+
+def from_checkpoint(meta: dict):
+    """(spec, model config) of a meshtron checkpoint's record (meshtron.json)."""
+    spec = MODELS[meta["model"]]
+    cls = type(next(iter(spec.presets.values())))
+    fields = {k: tuple(v) if isinstance(v, list) else MoEConfig(**v) if isinstance(v, dict) else v
+              for k, v in meta["config"].items()}
+    return spec, cls(**fields)
+
+
+def get(preset: str):
+    """(spec, preset config) of a preset name."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model {preset!r}; known: {', '.join(PRESETS)}")
+    spec = PRESETS[preset]
+    return spec, spec.presets[preset]
+
+
+__all__ = ["GPT", "GPTConfig", "MODELS", "ModelSpec", "PRESETS", "from_checkpoint", "from_hf", "get", "gpt_config"]

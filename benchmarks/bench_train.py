@@ -1,0 +1,255 @@
+"""Training throughput of the recipe's own step (meshtron.Trainer.step) for any
+registered model under any layout.
+
+    # one GPU, then four, the Llama-1B at sequence 2048 (bf16, 16 sequences a replica)
+    torchrun --nproc-per-node 1 benchmarks/bench_train.py --layouts 1gpu,1gpu_compile --model llama-1B --out $OUT
+    torchrun --nproc-per-node 4 benchmarks/bench_train.py --layouts fsdp4,tp2dp2,tp4 --model llama-1B --out $OUT
+    python benchmarks/bench_train.py --summarize $OUT/results.jsonl [--peer $OUT/torchtitan.jsonl]
+
+A layout is a set of recipe flags (LAYOUTS; `_compile` appends --compile); every
+other flag is passed to the recipe as it is (--model, --seq-len, --micro-batch,
+--untie-embeddings, ...). The Trainer is built exactly as recipes/train.py builds
+it, then timed: --warmup steps (compilation happens there), then --rounds rounds
+of --steps steps between two GPU synchronisations (the CPU runs ahead as in
+training); the step time is the median round / steps. tokens/s/GPU = global
+batch x sequence / step time / GPUs; MFU = tokens/s/GPU x the model's
+flops_per_token / the GPU's dense bf16 peak (meshtron.metrics); peak memory is
+torch.cuda.max_memory_allocated (and _reserved, which torchtitan logs), the
+largest over ranks. Peers (torchtitan, the
+plain model) are run by benchmarks/vs_torchtitan.sh in the same call and joined
+here by --summarize.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from meshtron import Config, Trainer, models  # noqa: E402
+from meshtron.metrics import peak_tflops  # noqa: E402
+from meshtron.trainer import init_process_group  # noqa: E402
+
+LAYOUTS = {  # name: (GPUs, recipe flags); bf16 compute, fp32 master weights and reduction throughout
+    "1gpu": (1, []),
+    "fsdp4": (4, ["--dp", "4", "--zero", "1"]),
+    "fsdp4_zero3": (4, ["--dp", "4", "--zero", "3"]),
+    "tp2dp2": (4, ["--dp", "2", "--tp", "2", "--sp", "--zero", "1"]),
+    "tp4": (4, ["--tp", "4", "--sp"]),
+    "fsdp2": (2, ["--dp", "2", "--zero", "1"]),
+    "tp2": (2, ["--tp", "2", "--sp"]),
+    "pp4": (4, ["--pp", "4", "--microbatches", "8"]),
+    "dp2pp2": (4, ["--dp", "2", "--pp", "2", "--microbatches", "8"]),
+    "pp2tp2": (4, ["--pp", "2", "--tp", "2", "--sp", "--microbatches", "8"]),
+    "ep2": (2, ["--ep", "2", "--zero", "1"]),            # mixture-of-experts presets: experts over ep
+    "ep4": (4, ["--ep", "4", "--zero", "1"]),
+}
+
+
+def _rope_fp32(x, cos, sin):
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
+
+
+def _repeat_kv(self, q, k, v):
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+EXPERIMENTS = {  # the code paths a change replaced, to measure old against new in one run
+    "rope-fp32": lambda: setattr(__import__("meshtron.models.llama.model", fromlist=["x"]), "apply_rope", _rope_fp32),
+    "repeat-kv": lambda: setattr(__import__("meshtron.models.llama.model", fromlist=["x"]).CoreAttention,
+                                 "forward", _repeat_kv),
+}
+
+
+def flags_of(name: str) -> tuple[int, list[str]]:
+    base = name.removesuffix("_compile")
+    if base not in LAYOUTS:
+        raise SystemExit(f"unknown layout {name}; known: {', '.join(LAYOUTS)} (each also with _compile)")
+    world, flags = LAYOUTS[base]
+    return world, flags + (["--compile"] if name.endswith("_compile") else [])
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(name: str, recipe_flags: list[str], args) -> dict:
+    world, flags = flags_of(name)
+    config = Config.from_args(["--dtype", "bf16", "--steps", str(args.warmup + args.rounds * args.steps + 1)]
+                              + recipe_flags + flags, models=models.PRESETS)
+    t0 = time.perf_counter()
+    trainer = Trainer(config, verbose=False)
+    build_s = time.perf_counter() - t0
+    device = trainer.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    batches = [trainer.loader.next() for _ in range(4)]
+    step = trainer.step
+    if args.sdpa != "default":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        first = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[args.sdpa]
+        order = [first] + [b for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+                           if b != first]
+
+        def step(x, y):
+            with sdpa_kernel(order, set_priority=True):
+                return trainer.step(x, y)
+    losses = []
+    t0 = time.perf_counter()
+    for i in range(args.warmup):
+        losses.append(float(step(*batches[i % len(batches)])[0]))
+    sync(device)
+    warmup_s = time.perf_counter() - t0
+    rounds = []
+    for _ in range(args.rounds):
+        sync(device)
+        t0 = time.perf_counter()
+        for i in range(args.steps):
+            loss, _ = step(*batches[i % len(batches)])
+        sync(device)
+        rounds.append((time.perf_counter() - t0) / args.steps)
+    losses.append(float(loss))
+    step_s = statistics.median(rounds)
+    cuda = device.type == "cuda"
+    mem = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
+    reserved = torch.cuda.max_memory_reserved(device) / 2**30 if cuda else float("nan")
+    worst = torch.tensor([step_s, mem, reserved], dtype=torch.float64, device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    step_s, mem, reserved = worst.tolist()
+    tokens = trainer.global_batch * config.training.seq_len
+    tps_gpu = tokens / step_s / world
+    peak = peak_tflops(device)
+    flops = trainer.model_config.flops_per_token(config.training.seq_len)
+    result = dict(layout=name, model=config.model.model, world=world, flags=" ".join(recipe_flags + flags),
+                  experiment=args.experiment, sdpa=args.sdpa,
+                  global_batch=trainer.global_batch, seq_len=config.training.seq_len, step_ms=step_s * 1e3,
+                  step_ms_rounds=[r * 1e3 for r in rounds], tokens_per_s_per_gpu=tps_gpu,
+                  tflops_per_gpu=tps_gpu * flops / 1e12, mfu=tps_gpu * flops / 1e12 / peak if peak else None,
+                  peak_mem_gib=mem, peak_reserved_gib=reserved, build_s=build_s, warmup_s=warmup_s,
+                  loss_first=losses[0], loss_last=losses[-1],
+                  params=trainer.model_config.num_params(),
+                  device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                  torch=torch.__version__)
+    if args.profile_steps:
+        result["profile"] = profile(lambda i: step(*batches[i % len(batches)]), args.profile_steps, device,
+                                    os.path.join(args.out, f"profile_{name}_w{world}_r{dist.get_rank()}.txt"))
+    trainer = batches = step = None    # the closures hold them too: drop every reference, then collect
+    gc.collect()
+    torch._dynamo.reset()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+KINDS = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "attention", "sdpa")),   # before gemm: cuDNN's
+         ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_")),           # sdpa kernels say sm90_ too
+         ("triton", ("triton", "_rms", "_swiglu", "_ln_")))
+
+
+def profile(step, n: int, device, path: str) -> dict:
+    """GPU kernel time per step by kind (and the busy union), the top kernels to `path`."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    sync(device)
+    t0 = time.perf_counter()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(n):
+            step(i)
+        sync(device)
+    wall = (time.perf_counter() - t0) / n * 1e3
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    by_kind = dict.fromkeys([k for k, _ in KINDS] + ["other"], 0.0)
+    spans = []
+    for e in kernels:
+        name = e.name.lower()
+        kind = next((k for k, keys in KINDS if any(s in name for s in keys)), "other")
+        by_kind[kind] += e.time_range.elapsed_us() / 1e3 / n
+        spans.append((e.time_range.start, e.time_range.end))
+    busy, end = 0.0, None
+    for s, e in sorted(spans):
+        busy += max(0, e - max(s, end if end is not None else s))
+        end = e if end is None else max(end, e)
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
+    return {"wall_ms": wall, "gpu_busy_ms": busy / 1e3 / n, **{f"{k}_ms": v for k, v in by_kind.items()}}
+
+
+def summarize(path: str, peer_path: str | None) -> None:
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    peers = {}
+    if peer_path and os.path.exists(peer_path):
+        peers = {r["layout"]: r for r in map(json.loads, open(peer_path)) if r.get("tokens_per_s_per_gpu")}
+    print("| layout | GPUs | step ms (median) | tokens/s/GPU | MFU | peak GiB (allocated / reserved) "
+          "| peer tokens/s/GPU | peer peak GiB (reserved) | meshtron / peer |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['layout']} | {r['world']} | {r['error'][:100]} | | | | | | |")
+            continue
+        p = peers.get(r["layout"], {})
+        ratio = f"{r['tokens_per_s_per_gpu'] / p['tokens_per_s_per_gpu']:.3f}x" if p else ""
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else ""
+        if r.get("profile"):
+            print("  profile (ms/step): " + ", ".join(f"{k} {v:.1f}" for k, v in r["profile"].items()))
+        print(f"| {r['layout']} | {r['world']} | {r['step_ms']:.1f} | {r['tokens_per_s_per_gpu']:,.0f} | {mfu} | "
+              f"{r['peak_mem_gib']:.1f} / {r.get('peak_reserved_gib', float('nan')):.1f} | "
+              f"{p.get('tokens_per_s_per_gpu', 0):,.0f} | {p.get('peak_mem_gib', 0):.1f} "
+              f"| {ratio} |")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layouts", default="1gpu", help="comma list of LAYOUTS names (each also with _compile)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=4, help="steps per timed round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--profile-steps", type=int, default=0, help="then profile this many steps: kernel time by kind")
+    p.add_argument("--sdpa", default="default", choices=["default", "cudnn", "flash"],
+                   help="attention backend preferred around each step (an experiment's knob)")
+    p.add_argument("--experiment", default="", help="comma list of EXPERIMENTS to patch in (measurements only)")
+    p.add_argument("--out", default=".")
+    p.add_argument("--summarize", default=None, help="print the table of a results.jsonl")
+    p.add_argument("--peer", default=None, help="with --summarize: the peers' results (same layout names)")
+    args, recipe_flags = p.parse_known_args()
+    if args.summarize:
+        summarize(args.summarize, args.peer)
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+    for name in filter(None, args.experiment.split(",")):
+        EXPERIMENTS[name]()
+    init_process_group(600)
+    world = dist.get_world_size()
+    os.makedirs(args.out, exist_ok=True)
+    for name in args.layouts.split(","):
+        if flags_of(name)[0] != world:
+            continue
+        try:
+            result = measure(name, recipe_flags, args)
+        except Exception as e:  # noqa: BLE001 - record and go on with the next layout
+            result = dict(layout=name, world=world, error=f"{type(e).__name__}: {e}")
+            gc.collect()
+            torch._dynamo.reset()
+        if dist.get_rank() == 0:
+            print(json.dumps(result), flush=True)
+            with open(os.path.join(args.out, "results.jsonl"), "a") as f:
+                f.write(json.dumps(result) + "\n")
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,299 @@
+"""The config tree: one dataclass per section, a one-line docstring per field.
+
+The command line is generated from it (`--micro-batch` is `training.micro_batch`,
+booleans take `--x` / `--no-x`, choices come from the code that uses them), a
+TOML file with the same sections can hold any of it (`--config run.toml`; flags
+override the file; `--print-config` writes the resolved tree as such a file),
+and the same object is what a checkpoint stores as the run's layout. `validate`
+checks everything that needs no model and no process group, so a bad value is
+one clear sentence on every rank before anything communicates.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import inspect
+import json
+import os
+import sys
+import tomllib
+from dataclasses import dataclass, field
+
+from meshtron.distributed.data_parallel import DTYPES
+from meshtron.distributed.mesh import AXES
+from meshtron.distributed.pipeline_parallel import SCHEDULES
+from meshtron.distributed.recompute import MODES
+
+
+class ConfigError(ValueError):
+    """A value the user gave cannot work; the message names it. Every rank has
+    the same config, so every rank raises it (meshtron.distributed.agree)."""
+    all_ranks = True
+
+
+@dataclass
+class ModelConfig:
+    model: str = "tiny"
+    """model preset (see meshtron.models.PRESETS): GPT tiny, 125M, 350M, 1.3B, 2.7B, 6.7B; llama-tiny, llama-1B, ..."""
+    untie_embeddings: bool = False
+    """a separate output head instead of the tied input embedding"""
+    vocab_size: int | None = None
+    """vocabulary size (default: the preset's), e.g. a tokenizer's"""
+    pos_emb: str | None = field(default=None, metadata={"choices": ("learned", "rope")})
+    """GPT positions: learned or rope (default: the preset's)"""
+    fused_kernels: bool = True
+    """Triton kernels (LayerNorm, bias-GeLU, RMSNorm, SwiGLU) on GPU; plain PyTorch elsewhere"""
+    moe_aux_loss: float | None = None
+    """mixture of experts: load-balancing loss coefficient (0: off; default: the preset's)"""
+    moe_bias_update: float | None = None
+    """mixture of experts: aux-loss-free expert bias step per optimizer step (0: off; default: the preset's)"""
+    moe_capacity: float | None = None
+    """mixture of experts: capacity factor (0: dropless; default: the preset's)"""
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = -1
+    """data-parallel degree (-1: what the world size leaves)"""
+    pp: int = 1
+    """pipeline-parallel degree"""
+    cp: int = 1
+    """context-parallel degree"""
+    tp: int = 1
+    """tensor-parallel degree"""
+    ep: int = 1
+    """expert-parallel degree"""
+    sp: bool = False
+    """sequence parallelism (needs tp > 1)"""
+    cp_comm: str = field(default="p2p", metadata={"choices": ("p2p", "allgather", "a2a")})
+    """context-parallel attention: p2p (ring), allgather (K/V) or a2a (Ulysses, heads)"""
+    loss_parallel: bool = True
+    """cross-entropy on vocab-sharded logits under tp (else the logits are gathered)"""
+    zero: int = field(default=1, metadata={"choices": (0, 1, 2, 3)})
+    """ZeRO stage over the data-parallel axes (0 = DDP)"""
+    hsdp: int = 1
+    """HSDP replica groups (1 = plain FSDP)"""
+    pp_schedule: str = field(default="1f1b", metadata={"choices": tuple(SCHEDULES)})
+    """pipeline schedule"""
+    pp_virtual: int = 1
+    """virtual stages per pp rank (interleaved and zero-bubble schedules)"""
+    microbatches: int | None = None
+    """micro-batches per step (default: pp with pipelining, else the local batch / --micro-batch)"""
+    recompute: str = field(default="none", metadata={"choices": MODES})
+    """activation recomputation"""
+    compile: bool = False
+    """torch.compile each block"""
+    dtype: str = field(default="fp32", metadata={"choices": tuple(DTYPES)})
+    """compute dtype (master weights stay fp32)"""
+    reduce_dtype: str = field(default="fp32", metadata={"choices": tuple(DTYPES)})
+    """gradient reduction dtype"""
+
+    def degrees(self) -> dict[str, int]:
+        return {a: getattr(self, a) for a in AXES}
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 50
+    """optimizer steps (the learning-rate schedule spans them)"""
+    micro_batch: int = 4
+    """samples per micro-batch per data-parallel rank"""
+    global_batch: int | None = None
+    """samples per optimizer step (default: micro-batch x micro-batches x data-parallel ranks)"""
+    seq_len: int = 128
+    """tokens per sample"""
+    lr: float = 1e-3
+    """peak learning rate"""
+    min_lr_ratio: float = 0.1
+    """final learning rate as a fraction of the peak"""
+    warmup: int = 10
+    """linear warmup steps"""
+    weight_decay: float = 0.1
+    """AdamW weight decay (not on biases and norms)"""
+    max_norm: float = 1.0
+    """clip by global gradient norm (0: off)"""
+    seed: int = 0
+    """seed of the initial weights, the sample order and dropout"""
+    log_interval: int = 10
+    """steps between log lines"""
+    metrics_file: str | None = None
+    """append one JSON line per logged step (and evaluation) to this file"""
+    tensorboard: str | None = None
+    """write TensorBoard event files to this directory (needs the tensorboard package)"""
+    pg_timeout: float = 600
+    """seconds a collective may wait before the job fails"""
+
+
+@dataclass
+class DataConfig:
+    data: str | None = None
+    """text file or directory, .u16/.u32 token file, indexed-dataset prefix, or blend '0.7 A 0.3 B' (default: stdlib)"""
+    tokenizer: str | None = None
+    """a tokenizer.json directory for text data (default: bytes)"""
+    eval_data: str | None = None
+    """held-out data for evaluation (the same kinds as --data)"""
+    eval_interval: int = 100
+    """steps between evaluations (and one at the last step) when --eval-data is given"""
+    eval_steps: int = 10
+    """global batches per evaluation"""
+
+
+@dataclass
+class CheckpointConfig:
+    checkpoint_dir: str | None = None
+    """save distributed checkpoints under this directory"""
+    checkpoint_interval: int = 100
+    """steps between checkpoints"""
+    keep_checkpoints: int = 3
+    """keep the newest K checkpoints"""
+    resume: str = "none"
+    """none, auto (the newest good checkpoint in --checkpoint-dir) or a checkpoint path"""
+    data_rebatch: bool = False
+    """resume with another global batch or sequence length at the same token count"""
+    init_from_hf: str | None = None
+    """build the model from this Hugging Face directory's config.json and start from its weights"""
+    import_safetensors: str | None = None
+    """start the --model preset from these safetensors (Hugging Face names; a config.json must match it)"""
+    export_hf: str | None = None
+    """write a Hugging Face model directory here at the end (config.json, safetensors)"""
+
+
+SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig, "data": DataConfig,
+            "checkpoint": CheckpointConfig}
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    @staticmethod
+    def from_args(argv=None, description: str | None = None, models=None) -> Config:
+        """The command line over an optional --config file over the defaults.
+        `models`: the preset names --model accepts (meshtron.models.PRESETS)."""
+        p = parser(description, models)
+        first, _ = p.parse_known_args(argv)
+        if first.config:
+            p.set_defaults(**read_toml(first.config, models))
+        args = p.parse_args(argv)
+        config = Config(**{name: cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+                           for name, cls in SECTIONS.items()})
+        if args.print_config:
+            if os.environ.get("RANK", "0") == "0":
+                print(config.to_toml(), end="")
+            sys.exit(0)
+        return config
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        """The tree as a file --config reads back (unset values are comments)."""
+        lines = []
+        for name, cls in SECTIONS.items():
+            lines.append(f"[{name}]")
+            docs = field_docs(cls)
+            for f in dataclasses.fields(cls):
+                value = getattr(getattr(self, name), f.name)
+                text = "true" if value is True else "false" if value is False else json.dumps(value)
+                lines.append(f"{'# ' if value is None else ''}{f.name} = {'(unset)' if value is None else text}"
+                             f"   # {docs[f.name]}")
+            lines.append("")
+        return "\n".join(lines)
+
+    def validate(self, world_size: int) -> None:
+        """Every check that needs neither the model nor a process group."""
+        t, p, c = self.training, self.parallel, self.checkpoint
+        for name, value in (("--steps", t.steps), ("--micro-batch", t.micro_batch), ("--seq-len", t.seq_len),
+                            ("--log-interval", t.log_interval), ("--checkpoint-interval", c.checkpoint_interval),
+                            ("--keep-checkpoints", c.keep_checkpoints), ("--pp-virtual", p.pp_virtual),
+                            ("--hsdp", p.hsdp), ("--eval-interval", self.data.eval_interval),
+                            ("--eval-steps", self.data.eval_steps)):
+            if value < 1:
+                raise ConfigError(f"{name} must be at least 1, not {value}")
+        for name, value in (("--global-batch", t.global_batch), ("--microbatches", p.microbatches)):
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be at least 1, not {value}")
+        if t.warmup < 0 or t.max_norm < 0 or t.lr <= 0:
+            raise ConfigError(f"--warmup and --max-norm must be >= 0 and --lr > 0 (got {t.warmup}, {t.max_norm}, "
+                              f"{t.lr})")
+        if p.sp and p.tp == 1:
+            raise ConfigError("--sp (sequence parallelism) shards the sequence over tp ranks: it needs --tp > 1")
+        if c.resume == "auto" and not c.checkpoint_dir:
+            raise ConfigError("--resume auto looks for checkpoints in --checkpoint-dir: give one")
+        from meshtron.distributed.mesh import resolve_degrees
+        try:
+            resolve_degrees(world_size, **p.degrees())
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+# ---- the command line, generated from the dataclasses ---------------------------
+
+@functools.cache
+def field_docs(cls) -> dict[str, str]:
+    """The string literal under each field: the attribute docstrings of `cls`."""
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = nxt.value.value
+    return docs
+
+
+def _type_of(f: dataclasses.Field):
+    t = f.type if isinstance(f.type, str) else f.type.__name__
+    for name, py in (("int", int), ("float", float), ("str", str)):
+        if t.startswith(name):
+            return py
+    raise TypeError(f"config field {f.name} has a type the command line cannot parse: {t}")
+
+
+def read_toml(path: str, models=None) -> dict:
+    """{field: value} of a config file, every key and type checked against the tree."""
+    try:
+        with open(path, "rb") as f:
+            tree = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"--config {path}: {e}") from None
+    values = {}
+    for section, table in tree.items():
+        if section not in SECTIONS or not isinstance(table, dict):
+            raise ConfigError(f"--config {path}: unknown section [{section}]; known: {', '.join(SECTIONS)}")
+        fields = {f.name: f for f in dataclasses.fields(SECTIONS[section])}
+        for key, value in table.items():
+            if key not in fields:
+                raise ConfigError(f"--config {path}: [{section}] has no field {key!r}; known: {', '.join(fields)}")
+            f = fields[key]
+            kind = bool if f.type in ("bool", bool) else _type_of(f)
+            ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool)) or \
+                (kind is float and isinstance(value, int) and not isinstance(value, bool))
+            choices = tuple(models) if key == "model" and models else f.metadata.get("choices")
+            if not ok or (choices and value not in choices):
+                want = f"one of {list(choices)}" if choices else f"a {kind.__name__}"
+                raise ConfigError(f"--config {path}: [{section}] {key} = {value!r} must be {want}")
+            values[key] = value
+    return values
+
+
+def parser(description: str | None = None, models=None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None, help="a TOML file with the sections below; flags override it")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as such a file and exit")
+    for section, cls in SECTIONS.items():
+        group = p.add_argument_group(section)
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            help_ = f"{docs[f.name]} (default: {f.default})"
+            if f.type in ("bool", bool):
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+            else:
+                choices = tuple(models) if f.name == "model" and models else f.metadata.get("choices")
+                group.add_argument(flag, type=_type_of(f), default=f.default, help=help_, choices=choices)
+    return p

@@ -1,0 +1,82 @@
+"""The loader: global batches of samples in a source's order, each data-parallel
+rank reading its contiguous slice. Its whole state is the number of global
+batches served, so a checkpoint stores it and a run resumes exactly, under any
+data-parallel degree."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from meshtron.data.sources import Tokens
+
+
+@dataclass
+class BatchLoader:
+    """Global batch `step` takes the next `global_batch` samples of the epoch's
+    order; data-parallel rank r of n takes its slice of global_batch/n (which the
+    trainer cuts into micro-batches). `data`: a source (sources.Tokens or Blend)
+    or an array of token ids."""
+
+    data: object
+    seq_len: int
+    global_batch: int
+    dp_rank: int = 0
+    dp_size: int = 1
+    micro_batch: int | None = None
+    seed: int = 0
+    step: int = 0
+
+    def __post_init__(self):
+        if not hasattr(self.data, "order"):     # an array of token ids
+            self.data = Tokens(self.data)
+        if self.global_batch % self.dp_size:
+            raise ValueError(f"global batch {self.global_batch} is not divisible by the data-parallel size "
+                             f"{self.dp_size}")
+        self.local_batch = self.global_batch // self.dp_size
+        self.micro_batch = self.micro_batch or self.local_batch
+        if self.local_batch % self.micro_batch:
+            raise ValueError(f"local batch {self.local_batch} (= global {self.global_batch} / dp {self.dp_size}) "
+                             f"is not divisible by the micro-batch {self.micro_batch}")
+        self.n_samples = self.data.num_samples(self.seq_len)
+        if self.n_samples < self.global_batch:
+            raise ValueError(f"the data makes {self.n_samples} samples of length {self.seq_len}, fewer than one "
+                             f"global batch of {self.global_batch}")
+        self.batches_per_epoch = self.n_samples // self.global_batch
+        self._epoch, self._order = -1, None
+
+    def _samples(self, step: int):
+        epoch, i = divmod(step, self.batches_per_epoch)
+        if epoch != self._epoch:
+            self._epoch, self._order = epoch, self.data.order(self.seq_len, self.seed, epoch)
+        ids = self._order[i * self.global_batch:(i + 1) * self.global_batch]
+        return ids[self.dp_rank * self.local_batch:(self.dp_rank + 1) * self.local_batch]
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of the next global batch: inputs and targets, (local batch, T)."""
+        ids = self._samples(self.step)
+        self.step += 1
+        xy = torch.from_numpy(np.stack([self.data.sample(i, self.seq_len) for i in ids]))
+        return xy[:, :-1], xy[:, 1:]
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "global_batch": self.global_batch, "seq_len": self.seq_len, "seed": self.seed}
+
+    def load_state_dict(self, sd: dict, rebatch_by_tokens: bool = False) -> None:
+        """Resume exactly: the position is in global batches, so any data-parallel
+        degree continues with the same samples. A different global batch or sequence
+        length cannot continue the same sample order; with rebatch_by_tokens the run
+        goes on at the same token count, sample order recomputed for the new batch."""
+        if sd["seed"] != self.seed:
+            raise ValueError(f"data loader state has seed={sd['seed']}, this run uses {self.seed}")
+        if (sd["global_batch"], sd["seq_len"]) != (self.global_batch, self.seq_len):
+            if not rebatch_by_tokens:
+                raise ValueError(
+                    f"the checkpoint's data position is {sd['step']} batches of {sd['global_batch']} x {sd['seq_len']} "
+                    f"tokens; this run uses {self.global_batch} x {self.seq_len}, which cannot continue the same "
+                    "sample order. Keep the global batch and sequence length, or pass --data-rebatch to go on "
+                    "at the same token count")
+            self.step = sd["step"] * sd["global_batch"] * sd["seq_len"] // (self.global_batch * self.seq_len)
+            return
+        self.step = sd["step"]

@@ -1,0 +1,114 @@
+"""Data parallelism: DDP and ZeRO-1/2/3 through FSDP2, HSDP, mixed precision.
+
+Every stage is one `fully_shard` call per transformer block plus one on the
+root, over the dense data-parallel sub-mesh dp x cp x ep. What each stage keeps
+per rank and sends per step is tabled once, in the README ("Data parallelism
+and ZeRO"), and measured by tests/distributed/test_data_parallel.py. Stages 0-2
+keep the gathered weights from the first forward to the last backward of the
+step (one all-gather per step); zero 3 gathers them per use.
+
+FSDP2 always reduce-scatters gradients into shards and keeps a sharded fp32
+master next to the weights it computes with, so ZeRO-1 (grads whole, optimizer
+state sharded) is expressed by its nearest faithful equivalent: unsharded
+gradients accumulate locally over micro-batches and are reduce-scattered once,
+while the optimizer state and the master weights are sharded.
+
+HSDP (`hsdp=R`): the dense dp group is split into R replicas x (n/R) shards;
+parameters are sharded inside a replica (keep it inside a node) and the
+gradient shards all-reduced across replicas once per step.
+
+Mixed precision: fp32 master weights (FSDP's shards), weights cast to
+param_dtype before the all-gather, gradients reduced (and accumulated) in
+reduce_dtype, fp32 by default as in Megatron.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from meshtron.distributed.mesh import degree, submesh
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def dp_mesh_for(mesh: DeviceMesh, zero_stage: int, hsdp: int = 1) -> DeviceMesh:
+    """The 1-D (FSDP) or 2-D (HSDP / DDP) mesh FSDP2 runs on, derived from the one mesh."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, not {zero_stage}")
+    n = degree(mesh, "dense_dp")
+    if hsdp < 1 or n % hsdp:
+        raise ValueError(f"hsdp={hsdp} replicas must divide the dense data-parallel size dp*cp*ep={n}")
+    if zero_stage == 0 and hsdp not in (1, n):
+        raise ValueError("zero 0 (DDP) replicates across all data-parallel ranks; do not combine it with --hsdp")
+    replicate = n if zero_stage == 0 else hsdp
+    flat = submesh(mesh, "dense_dp")
+    if replicate == 1:
+        return flat
+    # new process groups cost a rendezvous: keep the 2-D mesh with the one mesh,
+    # as submesh() keeps its flattened ones
+    cache = mesh.__dict__.setdefault("_meshtron_flat", {})
+    key = f"dense_dp_{replicate}x{n // replicate}"
+    if key not in cache:
+        names = ("dp_replicate", "dp_shard")
+        if hasattr(flat, "_unflatten"):
+            cache[key] = flat._unflatten(0, (replicate, n // replicate), names)
+        else:
+            cache[key] = DeviceMesh(flat.device_type, flat.mesh.view(replicate, n // replicate), mesh_dim_names=names)
+    return cache[key]
+
+
+def mp_policy(param_dtype: str = "bf16", reduce_dtype: str = "fp32") -> MixedPrecisionPolicy:
+    """fp32 master weights (FSDP keeps the sharded fp32 copy), compute in
+    param_dtype, gradients reduced in reduce_dtype (fp32 by default, as Megatron)."""
+    return MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, blocks: list[nn.Module], zero_stage: int = 3, hsdp: int = 1,
+               param_dtype: str = "fp32", reduce_dtype: str = "fp32", experts: list[nn.Module] = ()) -> nn.Module:
+    """Shard each block (the transformer layers: one FSDP unit, one all-gather,
+    each), then the root (embedding, final norm, output). Expert weights (Shard(0)
+    over ep) are units of their own over expert_dp (dp x cp; expert_parallel.py
+    divides their gradients by the ep factor FSDP does not)."""
+    dp_mesh = dp_mesh_for(mesh, zero_stage, hsdp)
+    reshard = zero_stage == 3
+    policy = mp_policy(param_dtype, reduce_dtype)
+    for e in experts:
+        fully_shard(e, mesh=submesh(mesh, "expert_dp"), reshard_after_forward=reshard, mp_policy=policy)
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    # the root's parameters are used last in forward and first in backward:
+    # resharding them after forward only to gather them again at once is waste
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
+    return model
+
+
+def reshard(parts: list[nn.Module]) -> None:
+    """Free gathered weights after a forward that no backward follows (evaluation):
+    zero 0-2 keep them gathered until the backward, which would not come, and the
+    modules would keep holding the unsharded tensors in place of their parameters."""
+    for part in parts:
+        for m in part.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+
+def set_grad_sync(model: nn.Module, zero_stage: int, is_last_micro_batch: bool) -> None:
+    """Tell FSDP what the coming micro-batch's backward should communicate.
+
+    zero 0, 1: no reduction before the last micro-batch: unsharded gradients
+      accumulate locally and are reduced once (all-reduce / reduce-scatter);
+    zero 2, 3 under HSDP: reduce-scatter every micro-batch (the point of ZeRO-2),
+      but all-reduce across replicas once, on the summed shards;
+    zero 0, 1, 2: keep the gathered parameters until the last micro-batch, so
+      they are all-gathered once per step; zero 3 gathers them again each time.
+    """
+    if not isinstance(model, FSDPModule):
+        return
+    if zero_stage in (0, 1):
+        model.set_requires_gradient_sync(is_last_micro_batch)
+    else:
+        model.set_requires_all_reduce(is_last_micro_batch)   # no-op without a replicate axis
+    if zero_stage in (0, 1, 2):
+        model.set_reshard_after_backward(is_last_micro_batch)

@@ -1,0 +1,145 @@
+"""Expert parallelism on the ep axis, and mixture-of-experts blocks under every layout.
+
+Expert weights [n_experts, ...] are Shard(0) over ep: ep rank e holds experts
+[e E/ep, (e+1) E/ep). A token's copies (one per chosen expert) travel to the
+ranks holding their experts and back:
+
+    count exchange   all_to_all_single of the copy counts per expert (the token
+                     all-to-alls need their splits first)
+    dispatch         all_to_all_single of the copies, sorted by expert
+    experts          one grouped GEMM per projection over the received copies,
+                     sorted by local expert
+    combine          all_to_all_single back, weighted by the router's scores in fp32
+
+Backward mirrors the two token all-to-alls. For the dense parameters ep is one
+more data-parallel axis (the batch is sharded over dp x ep; FSDP over dp x cp x
+ep). Expert weights are FSDP-sharded over expert_dp (dp x cp), and since each
+expert sees the tokens of every ep rank, their gradients are divided by
+dp x cp x ep like the dense ones: by dp x cp in FSDP's reduction, by ep on
+their way out of the experts (dividing by expert_dp alone would scale them by
+ep: DeepSpeed #6545).
+
+The routing statistics of the auxiliary loss (tokens per expert, mean scores)
+are summed over every rank holding other tokens of the step, dp x cp x ep; the
+gradient of the sum reaches each rank's own part only. Tensor parallelism leaves
+MoE blocks whole on each tp rank (`tp_style`): with sequence parallelism
+their input is all-gathered over tp and their output split again, so the tp
+ranks of a group route the same tokens and compute the same gradients.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+from torch.nn.utils.stateless import _reparametrize_module
+
+from meshtron.distributed.mesh import degree, submesh
+
+
+class TokenSum(nn.Module):
+    """The sum of a tensor over `group` (the ranks holding other tokens of the step),
+    with the gradient of this rank's own part."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        total = t.detach().clone()
+        dist.all_reduce(total, group=self.group)
+        return t + (total - t.detach())
+
+    def gather(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(every rank's t, in group order, concatenated; where this rank's rows
+        start). Every rank holds as many tokens (the batch and sequence split evenly)."""
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return torch.cat(parts), dist.get_rank(self.group) * t.shape[0]
+
+
+class _GradScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, scale: float):
+        ctx.scale = scale
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def local_experts(experts: nn.Module, x: torch.Tensor, counts: torch.Tensor, *, grad_scale: float) -> torch.Tensor:
+    """The experts module's forward on this rank's shards of its weights (Shard(0)
+    over ep), gradients flowing back to the DTensors scaled by `grad_scale`. It
+    replaces the module's forward, so FSDP's hooks still gather the weights first."""
+    params = {n: _GradScale.apply(p.to_local(grad_placements=p.placements), grad_scale) if isinstance(p, DTensor)
+              else p for n, p in experts.named_parameters(recurse=False)}
+    with _reparametrize_module(experts, params):
+        return type(experts).forward(experts, x, counts)
+
+
+class AllToAllDispatch(nn.Module):
+    """The token copies to the ep rank that holds their expert, and back."""
+
+    def __init__(self, ep_mesh: DeviceMesh):
+        super().__init__()
+        self.group, self.ep = ep_mesh.get_group(), ep_mesh.size()
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, mlp: nn.Module) -> torch.Tensor:
+        k, ep = experts.shape[1], self.ep
+        n_experts = mlp.w1.shape[0]                  # the global count (a DTensor's shape)
+        local_e = n_experts // ep
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)            # copies grouped by expert, so by destination rank too
+        sent = torch.bincount(flat, minlength=n_experts)
+        got = all_to_all_single(sent, None, None, self.group).view(ep, local_e)   # [source rank, my expert]
+        splits = torch.cat([sent.view(ep, local_e).sum(1), got.sum(1)]).tolist()  # the one host sync
+        send_splits, recv_splits = splits[:ep], splits[ep:]
+        rows = all_to_all_single_autograd(x[order // k], recv_splits, send_splits, self.group)
+        # received blocks are (source, expert); the experts want them (expert, source)
+        block = torch.repeat_interleave(torch.arange(ep * local_e, device=x.device), got.flatten(),
+                                        output_size=sum(recv_splits))
+        by_expert = (block % local_e).argsort(stable=True)
+        y = mlp(rows[by_expert], got.sum(0))
+        y = torch.empty_like(y).index_copy(0, by_expert, y)
+        back = all_to_all_single_autograd(y, send_splits, recv_splits, self.group)
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        out.index_add_(0, order // k, back.float() * weights.flatten()[order, None])
+        return out.to(x.dtype)
+
+
+def apply_moe(moe_blocks: list[nn.Module], mesh: DeviceMesh) -> None:
+    """Lay out MoE blocks on the mesh: expert weights Shard(0) over ep and an
+    all-to-all dispatch when ep > 1; routing statistics summed over the ranks with
+    other tokens. Call before tensor parallelism, which then leaves them as they are."""
+    ep = degree(mesh, "ep")
+    n_token_ranks = degree(mesh, "loss")
+    group = submesh(mesh, "loss").get_group() if n_token_ranks > 1 else None
+    for moe in moe_blocks:
+        if moe.experts.w1.shape[0] % ep:
+            raise ValueError(f"ep={ep} does not divide the {moe.experts.w1.shape[0]} experts")
+        if ep > 1:
+            for pname, p in list(moe.experts.named_parameters(recurse=False)):
+                moe.experts.register_parameter(pname, nn.Parameter(
+                    distribute_tensor(p, mesh["ep"], [Shard(0)], src_data_rank=None), p.requires_grad))
+            moe.dispatch = AllToAllDispatch(mesh["ep"])
+            # the loss carries the dp x cp x ep factor that FSDP divides out; FSDP over
+            # expert_dp divides expert gradients by dp x cp: the rest, 1/ep, here
+            moe.experts.forward = functools.partial(local_experts, moe.experts, grad_scale=1.0 / ep)
+        if group is not None:
+            moe.step_sum = TokenSum(group)
+
+
+def tp_style(sp: bool) -> PrepareModuleInputOutput:
+    """The TP plan entry of an MoE block: the whole sequence in, on local tensors
+    (its parameters are not tp DTensors), and the residual stream's layout out."""
+    seq = Shard(1) if sp else Replicate()
+    return PrepareModuleInputOutput(input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
+                                    output_layouts=(Replicate(),), desired_output_layouts=(seq,),
+                                    use_local_output=True)

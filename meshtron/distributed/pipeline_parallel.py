@@ -1,0 +1,346 @@
+"""Pipeline parallelism on the pp axis: stage splitting and schedules.
+
+A model is cut into S = pp x v stages (v virtual stages per rank for
+interleaving) by module names: its spec lists, per stage, the modules the stage
+holds (the embedding and the first layers, ..., the last layers, the final norm
+and the output head, and so the loss). A stage is a copy of the model with every
+other listed module removed (a ModuleDict entry deleted, an attribute set to
+None), so stages keep their module names and checkpoints do not depend on the
+split. Rank r of the pp axis holds stages r, r + pp, ... (looped, interleaved
+1F1B) or r and 2pp-1-r (V shape, ZBV). A weight tied across stages is a copy on
+each holder whose gradients are summed after the backward (tied.TiedCopies).
+
+Communication: one send/recv of a (micro-batch, T, d) activation per stage
+boundary and micro-batch, forward and backward (T/tp under SP). The bubble of
+each schedule (`bubble_fraction`) is tabled in the README ("Pipeline
+parallelism"); 1F1B keeps at most p micro-batches of activations alive on the
+first stage (GPipe keeps all m), which a test measures.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.tensor import DTensor
+
+from meshtron.distributed.mesh import degree
+from meshtron.distributed.reduce import reduce_partial_grads
+from meshtron.distributed.tied import TiedCopies
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+    "zero-bubble": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+}
+MULTI_STAGE = {"interleaved-1f1b", "zero-bubble", "zbv"}
+
+
+def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> float:
+    """Predicted idle fraction of a step (equal stage times, no communication cost)."""
+    p, m, v = pp, microbatches, virtual
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1)
+    if schedule == "interleaved-1f1b":
+        return (p - 1) / (v * m + p - 1)
+    if schedule in ("zero-bubble", "zbv"):
+        return (p - 1) / (3 * v * m + p - 1)
+    raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {sorted(SCHEDULES)}")
+
+
+def check_pipeline(schedule: str, pp: int, virtual: int, microbatches: int, n_blocks: int) -> None:
+    """Every bad combination raises here, before any stage talks to another."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {sorted(SCHEDULES)}")
+    if virtual < 1:
+        raise ValueError(f"--pp-virtual must be >= 1, not {virtual}")
+    if schedule in ("gpipe", "1f1b") and virtual != 1:
+        raise ValueError(f"schedule {schedule} runs one stage per rank; use interleaved-1f1b or zero-bubble "
+                         f"for v={virtual}")
+    if schedule == "zbv" and virtual != 2:
+        raise ValueError(f"the V-shaped zero-bubble schedule needs exactly 2 stages per rank, not v={virtual}")
+    if schedule != "gpipe" and microbatches < pp:
+        raise ValueError(f"schedule {schedule} needs at least pp={pp} micro-batches, got {microbatches}")
+    if schedule in MULTI_STAGE and microbatches % pp:
+        raise ValueError(f"schedule {schedule} needs the micro-batch count {microbatches} to be a multiple of pp={pp}")
+    if n_blocks < pp * virtual:
+        raise ValueError(f"{n_blocks} layers cannot be split into pp*v = {pp}*{virtual} = {pp * virtual} stages "
+                         "of at least one layer each")
+
+
+def split_layers(n_layers: int, n_stages: int, embed_cost: float = 1.0, head_cost: float = 1.0) -> list[list[int]]:
+    """Contiguous layer ranges per stage, balancing cost where the embedding and
+    the head (with the loss) weigh like `embed_cost` / `head_cost` layers."""
+    if n_layers < n_stages:
+        raise ValueError(f"{n_layers} layers cannot be split into {n_stages} stages")
+    total = embed_cost + n_layers + head_cost
+    stages = [[] for _ in range(n_stages)]
+    for i in range(n_layers):
+        mid = embed_cost + i + 0.5          # the layer's centre on the cumulative cost axis
+        stages[min(n_stages - 1, int(mid * n_stages / total))].append(i)
+    # every stage needs a layer: where the embedding or head alone filled a
+    # stage's share, take a layer from the fullest stage (ranges stay contiguous)
+    counts = [len(s) for s in stages]
+    while 0 in counts:
+        counts[counts.index(0)] += 1
+        counts[counts.index(max(counts))] -= 1
+    bounds = [sum(counts[:s]) for s in range(n_stages + 1)]
+    return [list(range(bounds[s], bounds[s + 1])) for s in range(n_stages)]
+
+
+def stage_ids_of(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
+    if schedule == "zbv":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(virtual)]
+
+
+def stage_owner(stage: int, pp: int, virtual: int, schedule: str) -> int:
+    """The pp rank holding `stage` (inverse of stage_ids_of)."""
+    for r in range(pp):
+        if stage in stage_ids_of(r, pp, virtual, schedule):
+            return r
+    raise ValueError(f"no pp rank holds stage {stage}")
+
+
+class PassThrough(nn.Module):
+    """Stands in on a stage for a module it does not hold: returns its first input
+    (the hidden states that replace the token embedding on a later stage; a block
+    or the head that a stage skips)."""
+
+    def forward(self, x, *args, **kwargs):
+        return x
+
+
+class Zero(nn.Module):
+    """Stands in on a later stage for an embedding added to the token embedding
+    (learned positions): its contribution came in with the hidden states."""
+
+    def forward(self, x, *args, **kwargs):
+        return torch.zeros((), device=x.device)   # 0-d: adds nothing and changes no dtype
+
+
+def is_stub(module: nn.Module) -> bool:
+    return isinstance(module, (PassThrough, Zero))
+
+
+def build_stage(model: nn.Module, keep: set[str], split: set[str], stubs: dict | None = None) -> nn.Module:
+    """A copy of the model holding, of the modules named in `split`, only `keep`; the
+    others are removed (a ModuleDict entry deleted, an attribute set to None: the
+    meshtron models' forward skips them) or, with `stubs`, replaced by a stub so that
+    any model's own forward runs unchanged."""
+    stage = copy.deepcopy(model)
+    for name in sorted(split - keep, key=lambda n: -n.count(".")):
+        path, _, attr = name.rpartition(".")
+        owner = stage.get_submodule(path) if path else stage
+        if stubs is not None:
+            setattr(owner, attr, stubs[name]())
+        elif isinstance(owner, nn.ModuleDict):
+            del owner[attr]
+        else:
+            setattr(owner, attr, None)
+    return stage
+
+
+def user_stages(model: nn.Module, blocks_name: str, split_points: list[str]) -> tuple[list[list[str]], dict]:
+    """Stages of any model from split points (the names of the blocks that begin
+    stages 1, 2, ...): stage 0 holds every module registered before the blocks
+    (embeddings, ...) and the blocks up to the first split point, the last stage
+    the remaining blocks and everything registered after them that has parameters
+    (final norm, head); parameter-free modules after the blocks (rotary tables)
+    run on every stage. Returns (module names per stage, the stub for each)."""
+    container = model.get_submodule(blocks_name)
+    blocks = [f"{blocks_name}.{n}" for n, _ in container.named_children()]
+    unknown = [p for p in split_points if p not in blocks]
+    if unknown:
+        raise ValueError(f"split points {unknown} are not blocks of {blocks_name} ({blocks[0]} ... {blocks[-1]})")
+    cuts = [blocks.index(p) for p in split_points]
+    if cuts != sorted(set(cuts)) or 0 in cuts:
+        raise ValueError(f"split points {split_points} must be increasing blocks after {blocks[0]}")
+    order = [n for n, _ in model.named_modules()]
+    where = order.index(blocks_name)
+    before, after, embeddings = [], [], []
+    for name, m in model.named_modules():
+        if not name or name == blocks_name or name.startswith(blocks_name + ".") or \
+                any(name.startswith(o + ".") for o in before + after):
+            continue
+        if blocks_name.startswith(name + "."):      # an ancestor of the blocks: look inside it
+            continue
+        if order.index(name) < where:
+            before.append(name)
+            if isinstance(m, nn.Embedding):
+                embeddings.append(name)
+        elif any(True for _ in m.parameters()):
+            after.append(name)
+    bounds = [0] + cuts + [len(blocks)]
+    stages = [blocks[a:b] for a, b in zip(bounds, bounds[1:])]
+    stages[0] = before + stages[0]
+    stages[-1] = stages[-1] + after
+    stubs = {n: (Zero if n in embeddings[1:] else PassThrough) for n in before + blocks + after}
+    return stages, stubs
+
+
+@dataclass
+class Pipeline:
+    """This pp rank's stages and the schedule that drives them. `parts` are the
+    stage modules (the trainer parallelizes them, then calls build_schedule)."""
+    parts: list[nn.Module]
+    stage_ids: list[int]
+    n_stages: int
+    schedule_name: str
+    microbatches: int
+    mesh: DeviceMesh
+    tied: TiedCopies
+    schedule: object = None
+    loss_fn: object = None
+    loss_scale: torch.Tensor | float = 1.0
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last(self) -> bool:
+        return self.n_stages - 1 in self.stage_ids
+
+    def _by_stage(self) -> dict[int, nn.Module]:
+        return dict(zip(self.stage_ids, self.parts))
+
+    def build_schedule(self, loss_fn) -> None:
+        """`loss_fn(output, target)`: a micro-batch's summed token loss. Each step
+        scales it (`step`), and the schedule sums micro-batches without dividing."""
+        device = next(self.parts[0].parameters()).device
+        group = self.mesh["pp"].get_group()
+        stages = [PipelineStage(m, i, self.n_stages, device, group=group) for m, i in zip(self.parts, self.stage_ids)]
+        for stage in stages:
+            _keep_buffers_through_shape_inference(stage)
+        cls = SCHEDULES[self.schedule_name]
+        self.loss_fn = loss_fn
+        self.schedule = cls(stages if self.schedule_name in MULTI_STAGE else stages[0], self.microbatches,
+                            loss_fn=self._scaled_loss, scale_grads=False)
+
+    def _scaled_loss(self, output, target):
+        return self.loss_fn(output, target) * self.loss_scale
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, loss_scale: torch.Tensor | float = 1.0) -> torch.Tensor:
+        """Forward and backward of all micro-batches of the local batch (x, y), each
+        micro-batch's loss times `loss_scale`; returns the sum of the scaled losses
+        on the last stage, else 0."""
+        self.loss_scale = loss_scale
+        losses = []
+        args = (x,) if self.has_first else ()
+        kwargs = {"target": y, "losses": losses} if self.has_last else {}
+        self.schedule.step(*args, **kwargs)
+        self.tied.sum_grads(self._by_stage(), reduce_partial_grads)
+        losses = [(t.full_tensor() if isinstance(t, DTensor) else t).detach().float() for t in losses]
+        return torch.stack(losses).sum() if losses else torch.zeros((), device=x.device)
+
+    @torch.no_grad()
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward only: the sum of the micro-batch losses on the last stage, else 0."""
+        self.loss_scale = 1.0
+        losses = []
+        args = (x,) if self.has_first else ()
+        kwargs = {"target": y, "losses": losses} if self.has_last else {}
+        if hasattr(self.schedule, "eval"):   # torch 2.13; older schedules take the switch it sets
+            self.schedule.eval(*args, **kwargs)
+        else:
+            self.schedule._has_backward = False
+            try:
+                self.schedule.step(*args, **kwargs)
+            finally:
+                self.schedule._has_backward = True
+        losses = [(t.full_tensor() if isinstance(t, DTensor) else t).detach().float() for t in losses]
+        return torch.stack(losses).sum() if losses else torch.zeros((), device=x.device)
+
+    def param_names(self) -> dict[int, str]:
+        """id(parameter) -> the name checkpoints use: a tied copy takes its weight's first name."""
+        names = {id(p): n for m in self.parts for n, p in m.named_parameters()}
+        return names | self.tied.names(self._by_stage())
+
+    def norm_parameters(self) -> list:
+        """Parameters counted once in the global gradient norm (one copy of each tied weight)."""
+        skip = self.tied.duplicates(self._by_stage())
+        return [p for m in self.parts for p in m.parameters() if id(p) not in skip]
+
+
+def _keep_buffers_through_shape_inference(stage: PipelineStage) -> None:
+    """Before its first micro-batch, torch 2.13's schedule runs each stage once on
+    uninitialised tensors to learn its output shapes (`_stage_meta.outputs` is
+    unset until then): undo what that call wrote into buffers (a mixture of
+    experts' routing counts, running statistics)."""
+    saved = {}
+
+    def before(module, args):
+        meta = getattr(stage, "_stage_meta", None)
+        if meta is not None and meta.outputs is None:
+            saved.update({n: b.clone() for n, b in module.named_buffers()})
+
+    def after(module, args, output):
+        if saved:
+            with torch.no_grad():
+                for n, b in module.named_buffers():
+                    b.copy_(saved[n])
+            saved.clear()
+
+    stage.submod.register_forward_pre_hook(before)
+    stage.submod.register_forward_hook(after)
+
+
+def split_model(model: nn.Module, mesh: DeviceMesh, schedule: str, virtual: int, microbatches: int,
+                stages: list[list[str]], stubs: dict | None = None) -> Pipeline:
+    """Cut the (unparallelized) model into this pp rank's stages; `stages[s]` names
+    the modules stage s holds (a model spec's split, or user_stages with its
+    stubs). Call check_pipeline first."""
+    pp = degree(mesh, "pp")
+    n_stages = pp * virtual
+    if len(stages) != n_stages:
+        raise ValueError(f"the split must list pp*v = {n_stages} stages, got {len(stages)}")
+    split = {n for names in stages for n in names}
+    modules = dict(model.named_modules())
+    unknown = sorted(split - set(modules))
+    if unknown:
+        raise ValueError(f"the pipeline split names modules the model does not have: {unknown}")
+    # every parameter must belong to exactly one stage's modules
+    kept = [{pn for pn, _ in model.named_parameters(remove_duplicate=False)
+             if any(pn.startswith(n + ".") for n in names)} for names in stages]
+    for pn, _ in model.named_parameters(remove_duplicate=False):
+        owners = [s for s, k in enumerate(kept) if pn in k]
+        if len(owners) != 1:
+            raise ValueError(f"parameter {pn} is held by {len(owners)} pipeline stages (the split must place every "
+                             "parameter on exactly one)")
+    owner = lambda s: stage_owner(s, pp, virtual, schedule)  # noqa: E731
+    tied = TiedCopies.find(model, kept, owner, mesh["pp"])
+    ids = stage_ids_of(mesh["pp"].get_local_rank(), pp, virtual, schedule)
+    parts = [build_stage(model, set(stages[s]), split, stubs) for s in ids]
+    if stubs is not None:
+        for part, s in zip(parts, ids):
+            _stage_forward(part, first=s == 0)
+    return Pipeline(parts, ids, n_stages, schedule, microbatches, mesh, tied)
+
+
+def _stage_forward(module: nn.Module, first: bool) -> None:
+    """A user model's stage takes and returns tensors: an output object (a Hugging
+    Face model's `.logits`) gives its tensor, and a later stage whose forward has
+    Hugging Face's `inputs_embeds` receives its hidden states there (some models
+    reshape `input_ids` before embedding them). The class changes (a subclass with
+    this forward); names and parameters do not."""
+    cls = type(module)
+    embeds = not first and "inputs_embeds" in inspect.signature(cls.forward).parameters
+
+    def forward(self, x, *args, **kwargs):
+        out = cls.forward(self, inputs_embeds=x, **kwargs) if embeds else cls.forward(self, x, *args, **kwargs)
+        return out if isinstance(out, torch.Tensor) else out.logits
+    module.__class__ = type(cls.__name__, (cls,), {"forward": forward})

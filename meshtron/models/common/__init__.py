@@ -1,0 +1,1 @@
+"""Pieces several models share: layout checks now, the MoE block later."""

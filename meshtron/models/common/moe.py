@@ -1,0 +1,271 @@
+"""Mixture of experts, in plain PyTorch: a router picks the top-k experts of each
+token; the experts hold one 3-D weight per projection, [n_experts, in, out];
+tokens reach them through a dispatcher (here every expert is local; expert
+parallelism swaps in one that moves tokens by all-to-all, from outside).
+
+    router   scores = softmax or sigmoid(x W_r) in fp32; the top-k of scores
+             (+ the aux-loss-free expert bias, which only selects: DeepSeek-V3)
+             pick the experts; their scores (sigmoid ones renormalized) weigh
+             the experts' outputs, summed in fp32
+    experts  SwiGLU w2(silu(x w1) * x w3) or GeLU (x w1 + b1) -> w2 + b2, one
+             grouped GEMM per projection over the tokens sorted by expert
+    balance  the auxiliary loss a E sum_i f_i P_i (Switch / Megatron: f_i the
+             fraction of routed tokens, P_i the mean score of expert i, both
+             over every rank's tokens of the step), added to the gradients by
+             an autograd function without changing the logged loss; and/or the
+             expert bias, moved after each step towards equal token counts
+    capacity dropless by default; with a capacity factor c each expert takes
+             at most ceil(c k N / E) of the N tokens of the micro-batch (over
+             every rank) and drops the rest, lowest score first, ties by token
+             order: the same tokens at every expert-parallel degree
+
+Statistics of the step (token counts per expert, the aux loss, tokens dropped)
+are buffers; `end_step` reads them after the optimizer step and moves the
+expert bias. The trainer sets `aux_grad_scale` before each step: the factor the
+layout's gradient reduction divides by, over the micro-batches of the step
+(each micro-batch's aux loss weighs 1/micro-batches, as in Megatron).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    n_experts: int = 8
+    top_k: int = 2
+    hidden: int = 256              # each expert's MLP width
+    score: str = "softmax"         # router scores: softmax or sigmoid
+    n_shared: int = 0              # shared experts (a dense MLP of n_shared * hidden applied to every token)
+    aux_loss: float = 1e-2         # load-balancing loss coefficient (0: off)
+    bias_update: float = 0.0       # aux-loss-free expert bias step (0: off)
+    capacity: float = 0.0          # capacity factor (0: dropless)
+    activation: str = "swiglu"     # swiglu (Llama) or gelu (GPT, with biases)
+
+
+class StepSum(nn.Module):
+    """Sums a tensor over every rank that holds other tokens of the same step, the
+    gradient flowing to this rank's own part only: the identity in one process;
+    layouts replace it (expert_parallel.TokenSum)."""
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def gather(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(every rank's t concatenated in token order, where this rank's rows start)."""
+        return t, 0
+
+
+class _AuxLoss(torch.autograd.Function):
+    """Returns `out` unchanged and feeds d(aux) = scale into aux's graph when out's
+    gradient arrives: the auxiliary loss trains the router without entering the
+    logged loss (Megatron's MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, out, aux, scale: float):
+        ctx.save_for_backward(aux)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.scale), None
+
+
+class Router(nn.Module):
+    def __init__(self, dim: int, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.gate = nn.Linear(dim, cfg.n_experts, bias=False)
+        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
+
+    def forward(self, x: torch.Tensor):
+        """x (N, dim) -> weights (N, k) fp32, experts (N, k), scores (N, E) fp32."""
+        with torch.autocast(x.device.type, enabled=False):   # fp32 under autocast too
+            logits = F.linear(x.float(), self.gate.weight.float())
+        scores = logits.softmax(-1) if self.cfg.score == "softmax" else logits.sigmoid()
+        experts = (scores.detach() + self.expert_bias).topk(self.cfg.top_k, dim=-1).indices
+        weights = scores.gather(-1, experts)
+        if self.cfg.score == "sigmoid":
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights, experts, scores
+
+
+class Experts(nn.Module):
+    """n_experts MLPs as one 3-D weight per projection; forward takes the tokens
+    sorted by expert and each expert's row count (a tensor on their device)."""
+
+    def __init__(self, dim: int, cfg: MoEConfig, n_experts: int | None = None):
+        super().__init__()
+        e, h = n_experts or cfg.n_experts, cfg.hidden
+        self.swiglu = cfg.activation == "swiglu"
+        self.w1 = nn.Parameter(torch.empty(e, dim, h))
+        self.w2 = nn.Parameter(torch.empty(e, h, dim))
+        if self.swiglu:
+            self.w3 = nn.Parameter(torch.empty(e, dim, h))
+        else:
+            self.b1, self.b2 = nn.Parameter(torch.zeros(e, h)), nn.Parameter(torch.zeros(e, dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            h = F.silu(grouped_mm(x, self.w1, counts)) * grouped_mm(x, self.w3, counts)
+            return grouped_mm(h, self.w2, counts)
+        rows = x.shape[0]
+        h = grouped_mm(x, self.w1, counts) + self.b1.repeat_interleave(counts, 0, output_size=rows)
+        h = F.gelu(h, approximate="tanh")
+        return grouped_mm(h, self.w2, counts) + self.b2.repeat_interleave(counts, 0, output_size=rows)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows of x (sorted by group) times their group's w[g]: (M, K) x (G, K, N) -> (M, N).
+    torch._grouped_mm on Hopper in bf16 (one kernel, offsets on the GPU: no host
+    sync); elsewhere one matmul per group. Empty groups still multiply (0 rows),
+    so w and x get gradients, zero ones, on a rank that received no tokens: its
+    backward then runs the same collectives as its peers'."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and x.shape[0] > 0 and \
+            torch.cuda.get_device_capability(x.device)[0] == 9:
+        return torch._grouped_mm(x, w, offs=counts.cumsum(0, dtype=torch.int32))
+    return torch.cat([xi @ w[g] for g, xi in enumerate(x.split(counts.tolist()))])
+
+
+def capacity_keep(weights: torch.Tensor, experts: torch.Tensor, n_experts: int, capacity: float,
+                  n_tokens: int) -> torch.Tensor:
+    """(N, k) bool: which assignments an expert keeps under a capacity of
+    ceil(capacity k N / E) tokens, the highest weights first, ties by token order."""
+    cap = math.ceil(capacity * experts.shape[1] * n_tokens / n_experts)
+    flat_e, flat_w = experts.flatten(), weights.detach().flatten()
+    # per expert, its assignments by weight (descending), ties by position: two stable sorts
+    by_weight = (-flat_w).argsort(stable=True)
+    sorted_idx = by_weight[flat_e[by_weight].argsort(stable=True)]
+    e_sorted = flat_e[sorted_idx]
+    first = torch.searchsorted(e_sorted, e_sorted, side="left")
+    rank_in_expert = torch.arange(e_sorted.numel(), device=e_sorted.device) - first
+    keep = torch.empty_like(flat_e, dtype=torch.bool)
+    keep[sorted_idx] = rank_in_expert < cap
+    return keep.view_as(experts)
+
+
+class LocalDispatch(nn.Module):
+    """Every expert on this rank: sort the token copies by expert, run the experts,
+    put each result back at its token, weighted (fp32)."""
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, mlp: Experts) -> torch.Tensor:
+        n_experts = mlp.w1.shape[0]
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)
+        y = mlp(x[order // experts.shape[1]], torch.bincount(flat, minlength=n_experts))
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        out.index_add_(0, order // experts.shape[1], y.float() * weights.flatten()[order, None])
+        return out.to(x.dtype)
+
+
+class MoE(nn.Module):
+    """The MoE feed-forward block: (B, T, dim) -> (B, T, dim)."""
+
+    aux_grad_scale = 1.0
+
+    def __init__(self, dim: int, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.router = Router(dim, cfg)
+        self.experts = Experts(dim, cfg)
+        self.dispatch = LocalDispatch()
+        self.step_sum = StepSum()
+        self.shared = None
+        if cfg.n_shared:
+            self.shared = Experts(dim, MoEConfig(hidden=cfg.n_shared * cfg.hidden, activation=cfg.activation), 1)
+        # the step's statistics, summed over micro-batches and every rank's tokens
+        self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_experts), persistent=False)
+        self.register_buffer("aux_loss_sum", torch.zeros(()), persistent=False)
+        self.register_buffer("dropped", torch.zeros(()), persistent=False)
+        self.register_buffer("calls", torch.zeros(()), persistent=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if h.is_meta:   # a pipeline schedule's shape inference (torch 2.11): nothing to route
+            return torch.empty_like(h)
+        B, T, dim = h.shape
+        E = self.cfg.n_experts
+        x = h.reshape(-1, dim)
+        weights, experts, scores = self.router(x)
+        # one sum over the ranks: [tokens per expert, tokens, scores per expert]
+        local = torch.cat([torch.bincount(experts.flatten(), minlength=E).float(),
+                           x.new_full((1,), x.shape[0], dtype=torch.float32), scores.sum(0)])
+        counts, n_tokens, score_sums = self.step_sum(local).split([E, 1, E])
+        capacity = self.cfg.capacity if self.training else 0.0   # evaluation and generation keep every token
+        if capacity > 0:   # decided over every rank's tokens: the same drops under any layout
+            (all_w, start), (all_e, _) = self.step_sum.gather(weights.detach()), self.step_sum.gather(experts)
+            all_keep = capacity_keep(all_w, all_e, E, capacity, all_e.shape[0])
+            keep = all_keep[start:start + x.shape[0]]
+            weights = weights * keep
+        out = self.dispatch(x, weights, experts, self.experts)
+        if self.shared is not None:
+            out = out + self.shared(x, x.new_full((1,), x.shape[0], dtype=torch.long))
+        if not self.training:
+            return out.view(B, T, dim)
+        # recomputation runs this again in backward: every sum below doubles alike,
+        # and end_step reports ratios (per call, per routed copy)
+        with torch.no_grad():
+            self.calls += 1
+            self.tokens_per_expert += counts
+            if capacity > 0:
+                self.dropped += (~all_keep).sum()
+        if self.cfg.aux_loss > 0:
+            # Switch: E * sum_i f_i P_i over every rank's tokens of this micro-batch
+            f = counts / (n_tokens * self.cfg.top_k)
+            aux = self.cfg.aux_loss * E * (f * score_sums / n_tokens).sum()
+            self.aux_loss_sum += aux.detach()
+            out = _AuxLoss.apply(out, aux, self.aux_grad_scale)
+        return out.view(B, T, dim)
+
+
+def moe_blocks(parts) -> list[MoE]:
+    return [m for part in parts for m in part.modules() if isinstance(m, MoE)]
+
+
+@torch.no_grad()
+def end_step(blocks: list[MoE]) -> torch.Tensor:
+    """After the optimizer step: move each expert bias by bias_update towards equal
+    loads (DeepSeek-V3: +u where an expert got fewer tokens than the mean, -u where
+    more), from the step's token counts over every rank; reset the statistics.
+    Returns this rank's [aux loss (summed over blocks, mean over micro-batches),
+    dropped copies, routed copies, max over blocks of the load's max/mean], on the
+    device (reading it waits for the GPU)."""
+    out = torch.zeros(4, device=blocks[0].calls.device if blocks else None)
+    for m in blocks:
+        load = m.tokens_per_expert
+        if m.cfg.bias_update > 0:
+            m.router.expert_bias += m.cfg.bias_update * torch.sign(load.mean() - load)
+        out[:3] += torch.stack([m.aux_loss_sum, m.dropped, load.sum()]) / m.calls.clamp_min(1)
+        out[3] = torch.maximum(out[3], load.max() / load.mean().clamp_min(1e-9))
+        for b in (m.tokens_per_expert, m.aux_loss_sum, m.dropped, m.calls):
+            b.zero_()
+    return out
+
+
+def moe_param_count(dim: int, cfg: MoEConfig, active: bool = False) -> int:
+    """Parameters of one MoE block: all of them, or those one token uses (the router,
+    top_k experts, the shared experts), which is what its FLOPs count."""
+    def mlp(h):
+        return 3 * dim * h if cfg.activation == "swiglu" else 2 * dim * h + h + dim
+    experts = (cfg.top_k if active else cfg.n_experts) * mlp(cfg.hidden)
+    return dim * cfg.n_experts + experts + (mlp(cfg.n_shared * cfg.hidden) if cfg.n_shared else 0)
+
+
+def init_moe(moe: MoE, seed: int, prefix: str, std: float, out_std: float, normal, fill) -> None:
+    """Name-seeded init of an MoE block: the router and first projections N(0, std),
+    the output projections N(0, out_std), biases 0; the expert bias and the step's
+    statistics zeroed (buffers that building on meta leaves empty)."""
+    for name, p in moe.named_parameters():
+        if name.endswith((".b1", ".b2")):
+            full = torch.zeros(p.shape)
+        else:
+            full = normal(p.shape, out_std if name.endswith(".w2") else std, seed, f"{prefix}.{name}")
+        fill(p, full)
+    for b in moe.buffers():
+        b.zero_()

@@ -1,0 +1,255 @@
+"""A Llama-family decoder in plain PyTorch: no parallel code in here.
+
+Pre-RMSNorm blocks, grouped-query attention (n_kv_heads <= n_heads) with rotary
+positions (theta configurable, Llama 3's frequency scaling), a SwiGLU MLP
+w2(silu(w1 x) * w3 x), no biases, tied or untied output. Module names are
+torchtitan's (attention.wq/wk/wv/wo, feed_forward.w1/w2/w3); the rotary
+embedding rotates the two halves of each head (Hugging Face's layout), so
+Hugging Face weights load without a permutation.
+
+Layers live in a ModuleDict keyed "0".."L-1" and every part outside them may be
+None (a pipeline stage); q, k and v are separate projections whose column split
+hands each tensor-parallel rank whole heads, and the forward infers the local
+head counts from the shapes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from meshtron.models.common.init import fill, normal
+from meshtron.models.common.moe import MoE, MoEConfig, init_moe, moe_param_count
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    n_layers: int = 16
+    dim: int = 2048
+    n_heads: int = 32
+    n_kv_heads: int = 8
+    ffn_dim: int = 8192
+    vocab_size: int = 128256
+    max_seq_len: int = 131072
+    rope_theta: float = 500000.0
+    rope_scaling: tuple | None = None     # Llama 3: (factor, low_freq_factor, high_freq_factor, original context)
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-5
+    fused_kernels: bool = True             # Triton RMSNorm / SwiGLU on GPU; plain PyTorch on CPU
+    moe: MoEConfig | None = None           # mixture-of-experts feed-forwards (SwiGLU experts) in every layer
+
+    def __post_init__(self):
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def num_params(self, embeddings: bool = True, active: bool = False) -> int:
+        """Parameters (tied output counted once); `active`: with only the experts a token uses."""
+        d, hd = self.dim, self.head_dim
+        attn = d * self.n_heads * hd * 2 + d * self.n_kv_heads * hd * 2
+        ffn = moe_param_count(d, self.moe, active) if self.moe else 3 * d * self.ffn_dim
+        per_layer = attn + ffn + 2 * d
+        n = self.n_layers * per_layer + d + (0 if self.tie_embeddings else self.vocab_size * d)
+        return n + (self.vocab_size * d if embeddings else 0)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """6 per weight that multiplies the token (the output head included) plus
+        attention scores and values, 12*L*d*T, causal mask not discounted (PaLM's
+        convention, as the GPT's)."""
+        n_matmul = self.num_params(embeddings=False, active=True) - self.n_layers * 2 * self.dim - self.dim
+        if self.tie_embeddings:
+            n_matmul += self.vocab_size * self.dim
+        return 6 * n_matmul + 12 * self.n_layers * self.dim * seq_len
+
+
+LLAMA3_SCALING = (8.0, 1.0, 4.0, 8192)
+PRESETS = {
+    # CI-sized: GQA (8 heads, 4 KV heads) so tp=2 and tp=4 split both; scaled rope
+    "llama-tiny": LlamaConfig(n_layers=4, dim=64, n_heads=8, n_kv_heads=4, ffn_dim=160, vocab_size=320,
+                              max_seq_len=256, rope_theta=10000.0, rope_scaling=(4.0, 1.0, 4.0, 64)),
+    "llama-1B": LlamaConfig(n_layers=16, dim=2048, n_heads=32, n_kv_heads=8, ffn_dim=8192,       # Llama 3.2 1B
+                            rope_scaling=(32.0, 1.0, 4.0, 8192)),
+    "llama-3B": LlamaConfig(n_layers=28, dim=3072, n_heads=24, n_kv_heads=8, ffn_dim=8192,       # Llama 3.2 3B
+                            rope_scaling=(32.0, 1.0, 4.0, 8192)),
+    "llama-8B": LlamaConfig(n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336,      # Llama 3.1 8B
+                            rope_scaling=LLAMA3_SCALING, tie_embeddings=False),
+    # CI-sized mixture of experts: 8 SwiGLU experts of width 64, top-2
+    "llama-moe-tiny": LlamaConfig(n_layers=4, dim=64, n_heads=8, n_kv_heads=4, ffn_dim=160, vocab_size=320,
+                                  max_seq_len=256, rope_theta=10000.0,
+                                  moe=MoEConfig(n_experts=8, top_k=2, hidden=64)),
+    # GPU-sized (the Qwen3-style shape of the torchtitan kit): 12 x 2048, 16 experts of 2048, top-2;
+    # 2.77B parameters, 0.66B of them active
+    "llama-moe-3B": LlamaConfig(n_layers=12, dim=2048, n_heads=16, n_kv_heads=8, ffn_dim=2048, vocab_size=50304,
+                                rope_theta=1e6, tie_embeddings=False,
+                                moe=MoEConfig(n_experts=16, top_k=2, hidden=2048)),
+}
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    """Rotary frequencies theta^(-2i/d), with Llama 3's scaling: wavelengths longer
+    than the original context / low_freq_factor are stretched by `factor`, shorter
+    than context / high_freq_factor kept, and the band between interpolated."""
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+    if cfg.rope_scaling is not None:
+        factor, low, high, context = cfg.rope_scaling
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((context / wavelen - low) / (high - low)).clamp(0, 1)
+        inv_freq = torch.where(wavelen > context / low, inv_freq / factor,
+                               torch.where(wavelen < context / high, inv_freq,
+                                           (1 - smooth) * inv_freq / factor + smooth * inv_freq))
+    return inv_freq.float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, H, T, hd): rotate (x[:hd/2], x[hd/2:]) pairs by the angles of cos, sin (T, hd/2),
+    in x's dtype as Hugging Face does (an fp32 upcast doubles the bytes of every pass)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, statistics in fp32; the Triton kernel on GPU."""
+
+    def __init__(self, dim: int, eps: float, fused: bool):
+        super().__init__()
+        self.eps, self.fused = eps, fused
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        if self.fused and x.is_cuda:
+            from meshtron.kernels_triton import rms_norm
+            return rms_norm(x, self.weight, self.eps)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class CoreAttention(nn.Module):
+    """softmax(q k^T / sqrt(d) + causal mask) v with grouped-query heads: a module
+    of its own so that layouts can replace it (context parallelism)."""
+
+    def forward(self, q, k, v):
+        groups = q.shape[1] // k.shape[1]   # each KV head serves `groups` query heads
+        # SDPA reads shared K/V heads itself in its flash kernels (CUDA bf16/fp16, and
+        # the CPU); CUDA's fp32 path would fall back to the math kernel: repeat there
+        shared = groups > 1 and not (q.is_cuda and q.dtype == torch.float32)
+        if groups > 1 and not shared:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        # causal over the whole sequence, or one new token attending to every cached one
+        return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, enable_gqa=shared)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        hd = cfg.head_dim
+        self.head_dim = hd
+        self.core = CoreAttention()
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        B, T = x.shape[0], x.shape[1]      # the full sequence: under SP the input was all-gathered
+        if positions is None:
+            positions = torch.arange(T, device=x.device)
+        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)    # (B, local heads, T, hd)
+        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)    # (B, local KV heads, T, hd)
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        angles = positions.float()[:, None] * self.inv_freq[None, :]
+        cos, sin = angles.cos(), angles.sin()
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:    # generation: a whole prompt first, then one token at a time
+            k, v = cache.update(k, v)
+        y = self.core(q, k, v)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    """w2(silu(w1 x) * w3 x): SwiGLU, the product fused in Triton on GPU."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.fused = cfg.fused_kernels
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+
+    def forward(self, x):
+        gate, up = self.w1(x), self.w3(x)
+        if self.fused and gate.is_cuda:
+            from meshtron.kernels_triton import swiglu
+            return self.w2(swiglu(gate, up))
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_kernels)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_kernels)
+        self.feed_forward = MoE(cfg.dim, cfg.moe) if cfg.moe else FeedForward(cfg)
+
+    def forward(self, h, positions=None, cache=None):
+        h = h + self.attention(self.attention_norm(h), positions, cache=cache)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: LlamaConfig, seed: int | None = 0):
+        super().__init__()
+        self.config = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_kernels)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        if seed is not None and self.output.weight.device.type != "meta":
+            self.init_weights(seed)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, vocab); a pipeline stage without the
+        embedding takes hidden states, one without the head returns them. `cache`
+        (a KVCache) keeps keys and values for generation; `positions` are then
+        the new tokens'."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for i, layer in self.layers.items():
+            h = layer(h, positions, cache=cache.layer(int(i)) if cache is not None else None)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """N(0, 0.02), the output projections of each residual branch (wo, w2) scaled
+        by 1/sqrt(2L), norms 1, each drawn by parameter name; the rotary
+        frequencies recomputed (a buffer, left empty by building on meta)."""
+        std = 0.02
+        out_std = std / math.sqrt(2 * self.config.n_layers)
+        moe = {f"{n}.": m for n, m in self.named_modules() if isinstance(m, MoE)}
+        for prefix, m in moe.items():
+            init_moe(m, seed, prefix[:-1], std, out_std, normal, fill)
+        for name, p in self.named_parameters():
+            if any(name.startswith(prefix) for prefix in moe):
+                continue
+            if name.endswith("norm.weight"):
+                full = torch.ones(p.shape)
+            else:
+                # a pipeline stage's untied copy of a tied output head draws the embedding's values
+                key = "tok_embeddings.weight" if name == "output.weight" and self.config.tie_embeddings else name
+                full = normal(p.shape, out_std if name.endswith(("wo.weight", "w2.weight")) else std, seed, key)
+            fill(p, full)
+        for m in self.modules():
+            if isinstance(m, Attention):
+                m.inv_freq.copy_(rope_inv_freq(self.config))

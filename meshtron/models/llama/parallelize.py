@@ -1,0 +1,94 @@
+"""The Llama's layout: its tensor-parallel plan (q, k, v split by heads, KV heads
+too), its layout checks, its FSDP units and its pipeline split, applied in
+torchtitan's order (meshtron.distributed.parallelize)."""
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+from meshtron.config import ParallelConfig
+from meshtron.distributed import expert_parallel
+from meshtron.distributed.context_parallel import apply_cp
+from meshtron.distributed.mesh import degree
+from meshtron.distributed.parallelize import apply_compile, apply_dp
+from meshtron.distributed.pipeline_parallel import split_layers
+from meshtron.distributed.recompute import apply_recompute
+from meshtron.distributed.tensor_parallel import (
+    ReplicateParallel,
+    cast_output_to_autocast_dtype,
+    matches,
+    parallelize_module,
+    tp_mesh_of,
+    vocab_parallel,
+)
+from meshtron.models.common.layout import check_decoder_layout
+from meshtron.models.common.moe import MoE
+
+
+def check_layout(cfg, degrees: dict[str, int], parallel: ParallelConfig, seq_len: int) -> None:
+    tp = degrees["tp"]
+    if cfg.n_kv_heads % tp:
+        raise ValueError(f"tp={tp} does not divide the number of KV heads {cfg.n_kv_heads} (grouped-query "
+                         f"attention splits whole KV heads; use a tp that divides {cfg.n_kv_heads})")
+    check_decoder_layout(degrees, parallel, seq_len, n_layers=cfg.n_layers, max_seq_len=cfg.max_seq_len,
+                         heads=cfg.n_heads, kv_heads=cfg.n_kv_heads, n_experts=cfg.moe.n_experts if cfg.moe else 0,
+                         tp_divides={"the MLP width": cfg.ffn_dim,
+                                                        "the vocabulary size": cfg.vocab_size})
+
+
+def tp_plan(model: nn.Module, sp: bool, loss_parallel: bool, moe: bool = False) -> dict:
+    """Megatron's plan on torchtitan's module names: wq, wk, wv and w1, w3
+    column-parallel (whole heads of q and of k/v per rank), wo and w2 row-parallel."""
+    seq = Shard(1) if sp else Replicate()
+    norm = SequenceParallel() if sp else ReplicateParallel()
+    plan = {
+        "tok_embeddings": vocab_parallel(sp),
+        "layers.*.attention_norm": norm,
+        "layers.*.attention": PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)),
+        "layers.*.attention.wq": ColwiseParallel(),
+        "layers.*.attention.wk": ColwiseParallel(),
+        "layers.*.attention.wv": ColwiseParallel(),
+        "layers.*.attention.wo": RowwiseParallel(output_layouts=seq),
+        "layers.*.ffn_norm": norm,
+        "layers.*.feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+        "layers.*.feed_forward.w1": ColwiseParallel(),
+        "layers.*.feed_forward.w3": ColwiseParallel(),
+        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        "norm": norm,
+        "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel),
+    }
+    if moe:   # mixture-of-experts blocks stay whole on each tp rank
+        plan["layers.*.feed_forward"] = expert_parallel.tp_style(sp)
+    present = {n for n, m in model.named_modules() if m is not None}
+    return {k: v for k, v in plan.items() if any(matches(k, n) for n in present)}
+
+
+def parallelize_llama(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig) -> None:
+    blocks = list(model.layers.values())
+    moe = [b.feed_forward for b in blocks if isinstance(b.feed_forward, MoE)]
+    if moe:
+        expert_parallel.apply_moe(moe, mesh)
+    if degree(mesh, "tp") > 1:
+        parallelize_module(model, tp_mesh_of(mesh), tp_plan(model, parallel.sp, parallel.loss_parallel, bool(moe)),
+                           leave=moe)
+        if parallel.sp:
+            cast_output_to_autocast_dtype([m for n, m in model.named_modules()
+                                           if n == "norm" or n.endswith(("attention_norm", "ffn_norm"))])
+    if degree(mesh, "cp") > 1:
+        apply_cp(mesh, parallel.cp_comm, cores=[b.attention.core for b in blocks],
+                 attentions=[b.attention for b in blocks])
+    apply_recompute(blocks, parallel.recompute)
+    if parallel.compile:
+        apply_compile(blocks)
+    apply_dp(model, mesh, parallel, blocks, experts=[m.experts for m in moe])
+
+
+def pipeline_split(cfg, n_stages: int) -> list[list[str]]:
+    """Layers balanced by cost (the embedding and the head weigh one layer each)."""
+    stages = [[f"layers.{i}" for i in ids] for ids in split_layers(cfg.n_layers, n_stages)]
+    stages[0] = ["tok_embeddings"] + stages[0]
+    stages[-1] = stages[-1] + ["norm", "output"]
+    return stages

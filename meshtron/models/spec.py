@@ -1,0 +1,62 @@
+"""What ties a model to the trainer (torchtitan's TrainSpec, smaller).
+
+A model folder (meshtron/models/<name>/) holds its plain-PyTorch model, its
+presets, its parallelize function, its layout checks, its pipeline split and
+its Hugging Face adapter, and exports one `SPEC`; the registry in
+meshtron/models/__init__.py maps preset names to specs. Adding a model touches
+its folder and that one line.
+
+What the trainer relies on, for every model:
+- the model config (a frozen dataclass) has `n_layers`, `vocab_size`,
+  `max_seq_len`, `tie_embeddings`, `num_params()` and `flops_per_token(seq_len)`;
+- the model is built as `model_cls(config, seed=None)` on the meta device,
+  takes tokens (B, T) and returns logits (B, T, vocab), keeps its blocks in a
+  ModuleDict, works with any listed module set to None or deleted (a pipeline
+  stage: no embedding means hidden states in, no head means hidden states out),
+  and has `init_weights(seed)` that draws each parameter from its name, so the
+  values do not depend on the layout.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch.nn as nn
+
+from meshtron.config import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    """the model family ("gpt", "llama")"""
+    model_cls: type[nn.Module]
+    """builds the plain model from a config"""
+    presets: dict[str, Any]
+    """preset name -> model config"""
+    configure: Callable
+    """(preset config, meshtron.config.ModelConfig) -> model config with the user's options applied"""
+    check_layout: Callable
+    """(model config, degrees {axis: n}, ParallelConfig, seq_len) -> None; raises ValueError"""
+    parallelize: Callable
+    """(model or pipeline stage, mesh, ParallelConfig) -> None: TP, recompute, compile, FSDP in place"""
+    pipeline_split: Callable
+    """(model config, n_stages) -> the module names each stage holds"""
+    tp_plan: Callable | None = None
+    """(model, sp, loss_parallel, moe) -> the TP plan {module glob: style} that parallelize applies
+    (the layout planner reads which dims it splits)"""
+    hf: Any = None
+    """the Hugging Face adapter module (names, tensors and config.json both ways), or None"""
+
+
+def moe_overrides(preset, options) -> dict:
+    """The --moe-* options as overrides of a preset's `moe` field (refused for a dense model)."""
+    given = {k: getattr(options, f"moe_{k}") for k in ("aux_loss", "bias_update", "capacity")}
+    given = {k: v for k, v in given.items() if v is not None}
+    if not given:
+        return {}
+    if getattr(preset, "moe", None) is None:
+        raise ConfigError(f"--moe-{next(iter(given)).replace('_', '-')} applies to mixture-of-experts models "
+                          "(e.g. --model llama-moe-tiny)")
+    return {"moe": replace(preset.moe, **given)}

@@ -1,0 +1,404 @@
+"""One trainer for every registered model and every layout of the mesh.
+
+    trainer = Trainer(Config.from_args(models=meshtron.models.PRESETS))
+    losses = trainer.train()
+
+Set-up, in this order: every check that needs no process group (config, model
+layout, data, checkpoint files), agreed across ranks; the mesh; the model built
+on the meta device, cut into pipeline stages, parallelized by its spec (TP,
+recompute, compile, FSDP), materialized and initialized by parameter name (the
+same values under any layout); optimizer, schedule, data loader; the checkpoint
+or safetensors to start from. Then the loop: `step` runs one forward/backward
+over the local batch (micro-batches in turn, or the pipeline schedule), clips by
+the global norm and steps the optimizer; logging, metrics and checkpoints
+around it.
+
+Loss: each micro-batch's summed token loss is divided by the number of target
+tokens in the whole global batch (counted over dp x cp x ep), so the loss and
+the gradients are the global token mean under every layout, with padding too.
+FSDP averages gradients over dp x cp x ep, so the backward loss carries that
+factor back.
+
+Test hooks (not on the command line): MESHTRON_EXIT_AFTER=N stops after N steps
+of this run (the schedule still spans --steps); MESHTRON_CRASH_AT_STEP=N kills
+rank 1 at step N on a torchrun job's first attempt (fault-recovery tests).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from meshtron import checkpoint, hf, models
+from meshtron.config import Config, ConfigError
+from meshtron.data import BatchLoader, open_data
+from meshtron.distributed.agree import agree
+from meshtron.distributed.context_parallel import shard_sequence
+from meshtron.distributed.data_parallel import reshard, set_grad_sync
+from meshtron.distributed.mesh import batch_slice, degree, init_mesh, resolve_degrees, world_size
+from meshtron.distributed.pipeline_parallel import Pipeline, check_pipeline, split_model
+from meshtron.distributed.reduce import clip_grad_norm_, sum_over
+from meshtron.distributed.tensor_parallel import loss_context
+from meshtron.distributed.tied import materialize
+from meshtron.loss import IGNORE_INDEX, cross_entropy_sum, logits_of, loss_function
+from meshtron.metrics import RunLog, Throughput, peak_memory_gib
+from meshtron.models.common.moe import end_step, moe_blocks
+from meshtron.optim import build_optimizer, warmup_cosine
+
+
+def _value(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float()
+
+
+def forward_backward(parts: list[nn.Module], x: torch.Tensor, y: torch.Tensor, mesh: DeviceMesh | None, *,
+                     microbatches: int = 1, loss_fn=cross_entropy_sum, loss_context=contextlib.nullcontext,
+                     zero: int = 1, pipeline: Pipeline | None = None,
+                     autocast: torch.dtype | None = None) -> torch.Tensor:
+    """Forward and backward of one step over this rank's part (x, y) of the global
+    batch: `microbatches` in turn, or the pipeline's schedule. Returns the global
+    token-mean loss (fp32, detached, the same on every rank); `mesh=None` is one
+    process. `zero` is the ZeRO stage FSDP was applied with (what each micro-batch
+    communicates); `autocast` runs the forward under torch.autocast (meshtron's own
+    bf16 goes through FSDP's mixed precision instead)."""
+    device = next(parts[0].parameters()).device
+    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    if mesh is not None and degree(mesh, "cp") > 1:   # this rank's chunks of every sequence
+        x, y = shard_sequence(x, mesh), shard_sequence(y, mesh)
+    n_tokens = sum_over((y != IGNORE_INDEX).sum().float(), mesh, "loss")
+    n_dp = degree(mesh, "dense_dp") if mesh is not None else 1
+    scale = n_dp / n_tokens.clamp_min(1)        # FSDP divides the summed gradients by n_dp
+    for moe in moe_blocks(parts):               # each micro-batch's aux loss weighs 1/micro-batches
+        moe.aux_grad_scale = n_dp / (pipeline.microbatches if pipeline is not None else microbatches)
+    with loss_context():
+        if pipeline is not None:
+            total = sum_over(pipeline.step(x, y, scale), mesh, "pp")
+        else:
+            model, total = parts[0], torch.zeros((), device=device)
+            amp = torch.autocast(device.type, dtype=autocast) if autocast else contextlib.nullcontext()
+            for i, (xs, ys) in enumerate(zip(x.chunk(microbatches), y.chunk(microbatches))):
+                set_grad_sync(model, zero, i == microbatches - 1)
+                with amp:
+                    logits = logits_of(model(xs))
+                loss = loss_fn(logits, ys) * scale
+                loss.backward()
+                total += _value(loss)
+    return sum_over(total, mesh, "loss") / n_dp
+
+
+def batch_layout(par, tr, degrees: dict[str, int]) -> tuple[int, int]:
+    """(micro-batches per step, global batch) from --micro-batch, --microbatches and
+    --global-batch: each data-parallel rank (dp x ep) runs the micro-batches of its
+    slice; a pipeline takes pp micro-batches unless told otherwise."""
+    ranks = degrees["dp"] * degrees["ep"]
+    per_step = tr.micro_batch * ranks
+    if tr.global_batch is None:
+        m = par.microbatches or (degrees["pp"] if degrees["pp"] > 1 else 1)
+        return m, per_step * m
+    if tr.global_batch % per_step:
+        raise ConfigError(f"--global-batch {tr.global_batch} must be a multiple of --micro-batch {tr.micro_batch} "
+                          f"x {ranks} data-parallel ranks (dp x ep)")
+    m = tr.global_batch // per_step
+    if par.microbatches is not None and par.microbatches != m:
+        raise ConfigError(f"--global-batch {tr.global_batch} at --micro-batch {tr.micro_batch} and {ranks} "
+                          f"data-parallel ranks makes {m} micro-batches, not --microbatches {par.microbatches}")
+    return m, tr.global_batch
+
+
+def init_process_group(timeout_s: float) -> None:
+    """The default process group, with our own timeout (a lost peer fails the job,
+    and torchrun --max-restarts restarts it). torchrun's agent keeps one store
+    across restarts, so keys are prefixed by attempt: a restarted job must not
+    read the addresses a dead attempt published."""
+    if dist.is_initialized():
+        return
+    backend = "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_store and rank == 0, timeout=timeout)
+    store = dist.PrefixStore(f"meshtron/attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+class Trainer:
+    """Everything a run needs, built once from a Config: `parts` (the model, or this
+    rank's pipeline stages), `optimizer`, `scheduler`, `loader`, and `step`/`train`."""
+
+    def __init__(self, config: Config, *, verbose: bool = True):
+        self.config = c = config
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        par, tr = c.parallel, c.training
+        with agree():   # nothing has communicated yet: every problem stops every rank here
+            c.validate(world_size())
+            # compiled blocks take plain norms and activations: inductor fuses them itself, and
+            # the Triton custom ops are opaque to it and slower there (benchmarks/RESULTS.md)
+            fused = c.model.fused_kernels and not par.compile
+            if c.checkpoint.init_from_hf:
+                self.spec, mc = models.from_hf(c.checkpoint.init_from_hf)
+                self.model_config = mc = dataclasses.replace(mc, fused_kernels=fused)
+            else:
+                self.spec, preset = models.get(c.model.model)
+                options = dataclasses.replace(c.model, fused_kernels=fused)
+                self.model_config = mc = self.spec.configure(preset, options)
+            degrees = resolve_degrees(world_size(), **par.degrees())
+            self.spec.check_layout(mc, degrees, par, tr.seq_len)
+            self.microbatches, self.global_batch = batch_layout(par, tr, degrees)
+            if degrees["pp"] > 1:
+                check_pipeline(par.pp_schedule, degrees["pp"], par.pp_virtual, self.microbatches, mc.n_layers)
+            tokens = open_data(c.data.data, mc.vocab_size, c.data.tokenizer)
+            eval_tokens = open_data(c.data.eval_data, mc.vocab_size, c.data.tokenizer) if c.data.eval_data else None
+            self.run_log = RunLog(self.rank, tr.metrics_file, tr.tensorboard, verbose)
+            self.resume_from = self._find_resume()
+        self.mesh = init_mesh(**degrees)
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if self.mesh.device_type == "cuda"
+                       else torch.device("cpu"))
+        torch.manual_seed(tr.seed)
+        with agree():
+            self.parts, self.pipeline = self._build_model()
+            self.optimizer = build_optimizer(self.parts, tr.lr, weight_decay=tr.weight_decay)
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer, warmup_cosine(tr.warmup, tr.steps, tr.min_lr_ratio))
+            index, count = batch_slice(self.mesh)
+            self.loader = BatchLoader(tokens, tr.seq_len, self.global_batch, index, count, tr.micro_batch,
+                                      seed=tr.seed)
+            self.eval_loader = None if eval_tokens is None else BatchLoader(
+                eval_tokens, tr.seq_len, self.global_batch, index, count, tr.micro_batch, seed=tr.seed)
+            weights = c.checkpoint.init_from_hf or c.checkpoint.import_safetensors
+            if weights:
+                hf.import_safetensors(self.parts, weights, mc, self.spec.hf)
+        vocab_sharded = degree(self.mesh, "tp") > 1 and par.loss_parallel
+        self.loss_fn = loss_function(self.device, vocab_sharded)
+        self.moe_stats = None   # the last step's routing statistics (mixture-of-experts models)
+        self.loss_context = loss_context(degree(self.mesh, "tp"), par.loss_parallel)
+        if self.pipeline is not None:
+            self.pipeline.build_schedule(self.loss_fn)
+        self.start = 0
+        if self.resume_from:
+            self.start = checkpoint.load(self.resume_from, self.parts, self.optimizer, self.scheduler, self.loader,
+                                         config=mc, rebatch_by_tokens=c.checkpoint.data_rebatch,
+                                         names=self._param_names())
+            self.log(f"resumed from {self.resume_from} at step {self.start}")
+            if c.checkpoint.checkpoint_dir and self.rank == 0:
+                for moved in checkpoint.set_aside_newer(c.checkpoint.checkpoint_dir, self.start):
+                    self.log(f"set aside a checkpoint newer than step {self.start}: {moved}")
+
+    # ---- set-up ----------------------------------------------------------------------
+
+    def _find_resume(self) -> str | None:
+        ck = self.config.checkpoint
+        if ck.resume == "auto":
+            path, skipped = checkpoint.latest_good(ck.checkpoint_dir, self.model_config)
+            for reason in skipped:
+                self.log(f"skipping a bad checkpoint: {reason}")
+            return path
+        if ck.resume != "none":
+            checkpoint.validate(ck.resume, self.model_config)
+            return ck.resume
+        if ck.checkpoint_dir and checkpoint.list_checkpoints(ck.checkpoint_dir):
+            raise ConfigError(f"--checkpoint-dir {ck.checkpoint_dir} already holds checkpoints (newest "
+                              f"{os.path.basename(checkpoint.latest(ck.checkpoint_dir))}): pass --resume auto to "
+                              "continue from them, or another directory")
+        return None
+
+    def _build_model(self) -> tuple[list[nn.Module], Pipeline | None]:
+        par, mc = self.config.parallel, self.model_config
+        with torch.device("meta"):
+            model = self.spec.model_cls(mc, seed=None)
+        pipeline = None
+        if degree(self.mesh, "pp") > 1:
+            stages = self.spec.pipeline_split(mc, degree(self.mesh, "pp") * par.pp_virtual)
+            pipeline = split_model(model, self.mesh, par.pp_schedule, par.pp_virtual, self.microbatches, stages)
+        parts = pipeline.parts if pipeline is not None else [model]
+        for m in parts:
+            self.spec.parallelize(m, self.mesh, par)
+            materialize(m, self.device)
+            m.init_weights(self.config.training.seed)   # drawn by parameter name: the same under any layout
+        return parts, pipeline
+
+    def _param_names(self) -> dict[int, str] | None:
+        return self.pipeline.param_names() if self.pipeline is not None else None
+
+    # ---- the step ------------------------------------------------------------------
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step on this rank's part of a global batch; (loss, grad norm)
+        as device tensors (reading them syncs the GPU)."""
+        loss = forward_backward(self.parts, x, y, self.mesh, microbatches=self.microbatches, loss_fn=self.loss_fn,
+                                loss_context=self.loss_context, zero=self.config.parallel.zero,
+                                pipeline=self.pipeline)
+        norm_params = self.pipeline.norm_parameters() if self.pipeline is not None else None
+        norm = clip_grad_norm_([p for m in self.parts for p in m.parameters()], self.config.training.max_norm or None,
+                               self.mesh, norm_params)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        if getattr(self.model_config, "moe", None) is not None:
+            self.moe_stats = self._moe_end_step()
+        return loss, norm
+
+    def _moe_end_step(self) -> torch.Tensor:
+        """Expert-bias updates and the step's routing statistics, over every stage."""
+        s = end_step(moe_blocks(self.parts))
+        if degree(self.mesh, "pp") > 1:
+            group = self.mesh["pp"].get_group()
+            sums, worst = s[:3].clone(), s[3:].clone()
+            dist.all_reduce(sums, group=group)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+            s = torch.cat([sums, worst])
+        return s
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Token-mean loss over the first --eval-steps global batches of --eval-data
+        (the same batches every time), forward only, under the training layout."""
+        n = self.config.data.eval_steps
+        self.eval_loader.step = 0
+        total = count = torch.zeros((), device=self.device)
+        for m in self.parts:
+            m.eval()
+        for _ in range(n):
+            x, y = (t.to(self.device) for t in self.eval_loader.next())
+            if degree(self.mesh, "cp") > 1:
+                x, y = shard_sequence(x, self.mesh), shard_sequence(y, self.mesh)
+            count = count + sum_over((y != IGNORE_INDEX).sum().float(), self.mesh, "loss")
+            with self.loss_context():
+                if self.pipeline is not None:
+                    s = sum_over(self.pipeline.evaluate(x, y), self.mesh, "pp")
+                else:
+                    s = sum(_value(self.loss_fn(logits_of(self.parts[0](xs)), ys))
+                            for xs, ys in zip(x.chunk(self.microbatches), y.chunk(self.microbatches)))
+            total = total + sum_over(s, self.mesh, "loss")
+        reshard(self.parts)
+        for m in self.parts:
+            m.train()
+        return float(total / count.clamp_min(1))
+
+    # ---- the loop --------------------------------------------------------------------
+
+    def log(self, line: str) -> None:
+        self.run_log.print(line)
+
+    def train(self, exit_after: int | None = None, crash_at_step: int | None = None) -> list[float]:
+        """Train to --steps (or `exit_after` steps of this run); returns the losses."""
+        c, tr, ck = self.config, self.config.training, self.config.checkpoint
+        if exit_after is not None and exit_after < 1:
+            raise ConfigError(f"exit_after must be at least 1, not {exit_after}")
+        mc, mesh = self.model_config, self.mesh
+        meter = Throughput(mc.flops_per_token(tr.seq_len), dist.get_world_size(), self.device)
+        name = f"{self.spec.name} from {c.checkpoint.init_from_hf}" if c.checkpoint.init_from_hf else c.model.model
+        self.log(f"meshtron | {name} ({mc.num_params() / 1e6:.1f}M params) | mesh "
+                 f"{dict(zip(mesh.mesh_dim_names, mesh.shape))} | global batch {self.global_batch} x {tr.seq_len} "
+                 f"tokens, {self.microbatches} micro-batches of {tr.micro_batch} | {self.loader.n_samples} samples")
+        losses, t_start = [], time.perf_counter()
+        last = min(tr.steps, self.start + exit_after) if exit_after else tr.steps
+        for step in range(self.start + 1, last + 1):
+            if step == crash_at_step and self.rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+                os._exit(13)   # a rank lost mid-run; torchrun --max-restarts restarts the job
+            loss, norm = self.step(*self.loader.next())
+            meter.add(self.global_batch * tr.seq_len)
+            losses.append(loss)   # a device tensor: reading it every step would sync the GPU
+            if step % tr.log_interval == 0 or step == tr.steps or step == self.start + 1:
+                self._report(step, float(losses[-1]), float(norm), meter.report(), time.perf_counter() - t_start)
+            if self.eval_loader is not None and (step % c.data.eval_interval == 0 or step == tr.steps):
+                eval_loss = self.evaluate()
+                self.run_log.record(step, {"eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 80))},
+                                    f"eval {step:>6}/{tr.steps} | loss {eval_loss:.4f} | ppl "
+                                    f"{math.exp(min(eval_loss, 80)):.2f}")
+            if ck.checkpoint_dir and (step % ck.checkpoint_interval == 0 or step == tr.steps):
+                checkpoint.save(ck.checkpoint_dir, step, self.parts, self.optimizer, self.scheduler, self.loader,
+                                config=mc, layout=c, keep=ck.keep_checkpoints, names=self._param_names(),
+                                model=self.spec.name)
+        if ck.export_hf:   # no transformers class has meshtron's MoE block: those keep meshtron's names
+            hf.export_safetensors(self.parts, ck.export_hf, mc, None if getattr(mc, "moe", None) else self.spec.hf)
+        if self.pipeline is not None:   # memory differs by stage: the first holds the most micro-batches
+            per_rank = [None] * dist.get_world_size()
+            dist.all_gather_object(per_rank, (self.pipeline.stage_ids, peak_memory_gib(self.device)))
+            for r, (ids, mem) in enumerate(per_rank):
+                host = " (host RSS)" if self.device.type == "cpu" else ""
+                self.log(f"rank {r} stages {ids}: peak mem {mem:.2f} GiB{host}")
+        self.run_log.close()
+        return [float(x) for x in losses]
+
+    def _report(self, step: int, loss: float, norm: float, m: dict, elapsed: float) -> None:
+        tr = self.config.training
+        lr = self.scheduler.get_last_lr()[0]
+        mem = peak_memory_gib(self.device)
+        eta = elapsed / (step - self.start) * (tr.steps - step)
+        line = (f"step {step:>6}/{tr.steps} | loss {loss:.4f} | lr {lr:.2e} | grad norm {norm:.3f} | "
+                f"{m['tokens_per_s']:,.0f} tok/s ({m['tokens_per_s_per_gpu']:,.0f}/gpu) | "
+                f"{m['tflops_per_gpu']:.2f} TFLOP/s/gpu")
+        if "mfu" in m:
+            line += f" | MFU {100 * m['mfu']:.1f}%"
+        moe = {}
+        if self.moe_stats is not None:
+            aux, dropped, routed, load = self.moe_stats.tolist()
+            moe = {"aux_loss": aux, "expert_load_max_over_mean": load}
+            line += f" | aux {aux:.4f} | load max/mean {load:.2f}"
+            if self.model_config.moe.capacity > 0:
+                moe["dropped_fraction"] = dropped / max(routed, 1.0)
+                line += f" | dropped {100 * moe['dropped_fraction']:.1f}%"
+        if mem is not None:
+            line += f" | peak mem {mem:.2f} GiB" + (" (host RSS)" if self.device.type == "cpu" else "")
+        self.run_log.record(step, {"loss": loss, "lr": lr, "grad_norm": norm, **moe, **m, "peak_mem_gib": mem},
+                            line + f" | eta {eta:,.0f}s")
+
+
+# ---- the command line ------------------------------------------------------------------
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"{name}={value!r} must be a positive integer")
+    return int(value)
+
+
+def main(argv=None, *, description: str | None = None, exit_after: int | None = None) -> list[float]:
+    """Parse, build, train; returns the losses. Used by recipes/train.py and tests."""
+    config = Config.from_args(argv, description, models.PRESETS)
+    init_process_group(config.training.pg_timeout)
+    if exit_after is None:
+        exit_after = _env_int("MESHTRON_EXIT_AFTER")
+    return Trainer(config).train(exit_after=exit_after, crash_at_step=_env_int("MESHTRON_CRASH_AT_STEP"))
+
+
+def run(argv=None, description: str | None = None) -> None:
+    """The recipe's entry point: a world of one without torchrun; a problem is one
+    line on stderr, printed once (by rank 0 when every rank found it), and exit 1."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29512"))
+    try:
+        main(argv, description=description)
+    except (ValueError, OSError, KeyError) as e:
+        rank = int(os.environ.get("RANK", "0"))
+        agreed = getattr(e, "all_ranks", False)
+        message = f"error: {e}"
+        if agreed and rank != 0:
+            # every rank found it: rank 0 reports it and fails the job, so torchrun's
+            # summary names one failure, with this message, not one per rank
+            os._exit(0)
+        print(message if rank == 0 else f"[rank {rank}] {message}", file=sys.stderr, flush=True)
+        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if error_file:   # torchrun's summary then shows this line instead of a pointer to its docs
+            with open(error_file, "w") as f:
+                json.dump({"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+        os._exit(1)   # skip the process group's teardown, which would wait for ranks that already left
+    if dist.is_initialized():
+        dist.destroy_process_group()

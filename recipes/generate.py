@@ -1,0 +1,17 @@
+"""Sample from a meshtron checkpoint or a Hugging Face model directory (see meshtron/generate.py).
+
+    python recipes/generate.py --hf DIR --prompt "def main(" --max-new-tokens 64
+    torchrun --nproc-per-node 2 recipes/generate.py --tp 2 --checkpoint ck/step-00000100 --prompt-ids 1,2,3 --print-ids
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from meshtron.generate import main  # noqa: E402
+
+if __name__ == "__main__":
+    if "RANK" not in os.environ:   # plain `python recipes/generate.py`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29513"))
+    main()

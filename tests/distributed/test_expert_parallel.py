@@ -1,0 +1,218 @@
+"""Mixture of experts and expert parallelism (issue 15) on gloo: every layout
+against one process over 10 steps in fp32 (loss, aux loss, gathered gradients
+of experts, router and dense weights, the clipped norm, updated weights, the
+expert bias); capacity drops alike at every ep degree; the collectives of one
+MoE layer; the recipe at --ep 2 against --dp 2; checkpoints across ep degrees."""
+import json
+import shutil
+
+import pytest
+import torch
+from torch.distributed.tensor.debug import CommDebugMode
+
+from meshtron import ParallelConfig
+from meshtron.models import GPT, gpt_config
+from meshtron.models.common.moe import MoE, MoEConfig, capacity_keep, end_step, moe_param_count
+from meshtron.models.gpt import SPEC as GPT_SPEC
+from meshtron.models.llama import SPEC as LLAMA_SPEC
+from meshtron.models.llama import Llama, LlamaConfig
+
+from harness import mesh, train
+from parity import assert_parity, fb_kwargs, layout, pipelined, run_parity, tiny_batches
+
+TOL = 1e-5
+SEQ = 16
+GPT_MOE = MoEConfig(n_experts=8, top_k=2, hidden=32, activation="gelu", aux_loss=1e-2, bias_update=1e-3)
+LLAMA_MOE = MoEConfig(n_experts=8, top_k=2, hidden=32, score="sigmoid", n_shared=1, aux_loss=1e-2, bias_update=1e-3)
+GPT_CFG = gpt_config("tiny", n_layers=2, dim=64, n_heads=4, moe=GPT_MOE)
+LLAMA_CFG = LlamaConfig(n_layers=2, dim=64, n_heads=8, n_kv_heads=4, ffn_dim=96, vocab_size=320, max_seq_len=256,
+                        rope_theta=1e4, moe=LLAMA_MOE)
+MODELS = {"gpt": (GPT, GPT_SPEC, GPT_CFG), "llama": (Llama, LLAMA_SPEC, LLAMA_CFG)}
+
+
+def _parity(rank, world, model, degrees, pcfg_kwargs=None, moe=None, steps=10, banned=()):
+    """`banned`: experts no token may choose (their selection bias -inf)."""
+    cls, spec, cfg = MODELS[model]
+    if moe is not None:
+        cfg = type(cfg)(**{**cfg.__dict__, "moe": moe})
+    me = mesh(**degrees)
+    pcfg = ParallelConfig(**{k: v for k, v in degrees.items() if k != "dp"}, **(pcfg_kwargs or {}))
+    batches = tiny_batches(cfg.vocab_size, steps=steps, batch=8, seq=SEQ)
+    par, ref_kwargs = layout(pcfg, spec), None
+    if degrees.get("pp", 1) > 1:   # the reference in the same 2 micro-batches (their routing statistics)
+        par, ref_kwargs = pipelined(pcfg, spec, cfg), {"microbatches": 2}
+    def build():
+        m = cls(cfg, seed=0)
+        for block in (b for b in m.modules() if isinstance(b, MoE)):
+            block.router.expert_bias[list(banned)] = float("-inf")
+        return m
+    return run_parity(me, build, par, batches, max_norm=0.5, fb_kwargs=fb_kwargs(me, pcfg), ref_fb_kwargs=ref_kwargs)
+
+
+LAYOUTS = {"ep2": (2, dict(dp=1, ep=2), None),
+           "ep4": (4, dict(dp=1, ep=4), None),
+           "dp2 x ep2": (4, dict(dp=2, ep=2), dict(zero=3)),
+           "tp2 x ep2 sp": (4, dict(dp=1, tp=2, ep=2), dict(sp=True)),
+           "pp2 x ep2": (4, dict(dp=1, pp=2, ep=2), None),
+           "cp2 x ep2": (4, dict(dp=1, cp=2, ep=2), None),
+           "dp2 x tp2 (no sp)": (4, dict(dp=2, tp=2), dict(zero=2)),
+           "ep2 recompute": (2, dict(dp=1, ep=2), dict(recompute="full"))}
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_moe_layouts_match_one_process(pools, name, model):
+    world, degrees, extra = LAYOUTS[name]
+    assert_parity(pools.run(world, _parity, model, degrees, extra, timeout=300), TOL)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_an_ep_rank_that_receives_no_tokens(pools, model):
+    # experts 6 and 7 (ep rank 3's at ep=4) are never chosen: that rank's experts get
+    # no rows, its backward must still run the all-to-alls and FSDP's reduction (dp2)
+    for world, degrees in ((4, dict(dp=1, ep=4)), (4, dict(dp=2, ep=2))):
+        assert_parity(pools.run(world, _parity, model, degrees, None, None, 3, (6, 7), timeout=300), TOL)
+
+
+def test_capacity_drops_the_same_tokens_at_every_ep_degree(pools):
+    # a capacity factor of 1 with top-2 over 8 experts drops copies every step; the
+    # drops are decided over every rank's tokens, so ep=2 and ep=4 match one process
+    moe = MoEConfig(n_experts=8, top_k=2, hidden=32, activation="gelu", capacity=1.0, aux_loss=1e-2)
+    for world, degrees in ((2, dict(dp=1, ep=2)), (4, dict(dp=1, ep=4)), (4, dict(dp=2, ep=2))):
+        assert_parity(pools.run(world, _parity, "gpt", degrees, None, moe, 4), TOL)
+
+
+def test_capacity_keeps_the_highest_scores_per_expert():
+    g = torch.Generator().manual_seed(1)
+    w, e = torch.rand(64, 2, generator=g), torch.randint(0, 8, (64, 2), generator=g)
+    keep = capacity_keep(w, e, 8, 1.0, 64)
+    assert (torch.bincount(e[keep], minlength=8) <= 16).all()    # ceil(1.0 * 2 * 64 / 8)
+    assert (~keep).sum() > 0
+    for x in range(8):   # every dropped copy scores below every kept copy of its expert
+        mine = e == x
+        if (~keep & mine).any():
+            assert w[~keep & mine].max() <= w[keep & mine].min()
+
+
+# ---- the collectives of one MoE layer ------------------------------------------------------
+
+def _comm_counts(rank, world, degrees):
+    me = mesh(**degrees)
+    cfg = gpt_config("tiny", n_layers=1, dim=64, n_heads=4, moe=GPT_MOE)
+    model = GPT(cfg, seed=0)
+    GPT_SPEC.parallelize(model, me, ParallelConfig(ep=degrees.get("ep", 1)))
+    x = torch.randint(0, cfg.vocab_size, (2, SEQ))
+    with CommDebugMode() as fwd:
+        logits = model(x)
+    with CommDebugMode() as bwd:
+        logits.float().pow(2).mean().backward()
+    end_step([model.layers["0"].mlp])
+    return [{str(op): n for op, n in mode.get_comm_counts().items()} for mode in (fwd, bwd)]
+
+
+def a2a(counts: dict) -> int:
+    return sum(n for op, n in counts.items() if "all_to_all" in op)
+
+
+def test_one_moe_layer_communicates_one_count_exchange_and_two_all_to_alls(pools):
+    # (world, degrees, FSDP all-gathers of one forward: the root and the block over
+    # dp x ep, the experts over expert_dp = dp only where dp > 1)
+    for world, degrees, gathers in ((2, dict(dp=1, ep=2), 2), (4, dict(dp=2, ep=2), 3)):
+        fwd, bwd = pools.run(world, _comm_counts, degrees)[0]
+        assert a2a(fwd) == 3, fwd            # the count exchange, dispatch, combine
+        assert a2a(bwd) == 2, bwd            # the mirror of dispatch and combine
+        assert fwd["c10d.allreduce_"] == 1, fwd   # the routing statistics, one sum
+        assert fwd["c10d._allgather_base_"] == bwd["c10d._reduce_scatter_base_"] == gathers, (fwd, bwd)
+    # ep=1 (dp=2): the experts are local, no all-to-all at all
+    fwd, bwd = pools.run(2, _comm_counts, dict(dp=2))[0]
+    assert a2a(fwd) == a2a(bwd) == 0, (fwd, bwd)
+
+
+# ---- the recipe, checkpoints, the model's sizes ---------------------------------------------
+
+RECIPE = ["--model", "llama-moe-tiny", "--seq-len", "32", "--steps", "4", "--global-batch", "4", "--micro-batch", "2",
+          "--seed", "3", "--warmup", "2", "--log-interval", "1"]
+
+
+def test_recipe_ep2_matches_dp2_from_the_metrics_file(pools, tmp_path):
+    losses = {}
+    for name, argv in (("ep2", ["--ep", "2"]), ("dp2", ["--dp", "2"])):
+        f = tmp_path / f"{name}.jsonl"
+        pools.run(2, train, RECIPE + argv + ["--metrics-file", str(f)])
+        rows = [json.loads(line) for line in f.read_text().splitlines()]
+        losses[name] = {r["step"]: r for r in rows if "loss" in r}
+    assert set(losses["ep2"]) == set(losses["dp2"]) == {1, 2, 3, 4}
+    for step, row in losses["ep2"].items():
+        ref = losses["dp2"][step]
+        assert abs(row["loss"] - ref["loss"]) / ref["loss"] < 1e-5, (step, row["loss"], ref["loss"])
+        assert abs(row["aux_loss"] - ref["aux_loss"]) / ref["aux_loss"] < 1e-5
+        assert row["expert_load_max_over_mean"] == pytest.approx(ref["expert_load_max_over_mean"], rel=1e-6)
+
+
+def test_capacity_shows_its_dropped_fraction(pools, tmp_path):
+    f = tmp_path / "m.jsonl"
+    pools.run(2, train, ["--model", "gpt-moe-tiny", "--seq-len", "32", "--steps", "2", "--micro-batch", "2",
+                         "--ep", "2", "--moe-capacity", "1.0", "--metrics-file", str(f)])
+    rows = [json.loads(line) for line in f.read_text().splitlines() if "loss" in line]
+    assert all(0 < r["dropped_fraction"] < 0.5 for r in rows), rows
+
+
+def test_resume_at_another_ep_degree(pools, tmp_path):
+    # 2 steps at ep=2 on 2 ranks, then steps 3-4 at ep=4 on 4 ranks and at dp=2 (ep=1):
+    # the losses equal an uninterrupted 4-step run at ep=2 (same global batch)
+    straight = pools.run(2, train, RECIPE + ["--ep", "2"])[0]
+    first = tmp_path / "ck"
+    pools.run(2, train, RECIPE + ["--ep", "2", "--checkpoint-dir", str(first), "--checkpoint-interval", "2"], 2)
+    for world, argv in ((4, ["--ep", "4", "--micro-batch", "1"]), (2, ["--dp", "2"])):
+        ck = tmp_path / f"ck-{world}"
+        shutil.copytree(first, ck)
+        resumed = pools.run(world, train, RECIPE + argv + ["--checkpoint-dir", str(ck), "--resume", "auto"])[0]
+        assert resumed == pytest.approx(straight[2:], rel=1e-5), (argv, resumed, straight)
+
+
+def test_export_at_ep2_equals_dp2_and_reads_back(pools, tmp_path):
+    from safetensors.torch import load_file
+
+    from meshtron.hf import import_safetensors
+    from meshtron.models import get
+    for name, argv in (("ep2", ["--ep", "2"]), ("dp2", ["--dp", "2", "--zero", "3"])):
+        pools.run(2, train, RECIPE + argv + ["--export-hf", str(tmp_path / name)])
+    ep2, dp2 = (load_file(str(tmp_path / n / "model.safetensors")) for n in ("ep2", "dp2"))
+    assert set(ep2) == set(dp2) and "layers.0.feed_forward.experts.w1" in ep2
+    assert "layers.0.feed_forward.router.expert_bias" in ep2
+    for k in ep2:
+        assert torch.allclose(ep2[k], dp2[k], rtol=1e-5, atol=1e-6), k
+    _, cfg = get("llama-moe-tiny")
+    model = Llama(cfg)
+    import_safetensors([model], str(tmp_path / "ep2"), cfg)
+    assert all(torch.equal(t, ep2[k]) for k, t in model.state_dict().items())
+
+
+def test_active_parameters_and_flops():
+    cfg = LLAMA_CFG
+    dense = cfg.num_params()
+    active = cfg.num_params(active=True)
+    per_expert = 3 * 64 * 32
+    assert dense - active == cfg.n_layers * (8 - 2) * per_expert
+    assert moe_param_count(64, LLAMA_MOE) == 64 * 8 + 8 * per_expert + per_expert
+    assert sum(p.numel() for p in Llama(cfg, seed=0).parameters()) == dense
+    assert sum(p.numel() for p in GPT(GPT_CFG, seed=0).parameters()) == GPT_CFG.num_params()
+
+
+def test_bad_ep_layouts_are_clear_errors(pools):
+    from test_errors import error
+    tiny = ["--seq-len", "32", "--steps", "2", "--micro-batch", "2"]
+    assert "(this model has 8 experts)" in error(pools, 3, ["--model", "llama-moe-tiny", "--ep", "3"] + tiny)
+    assert "--recompute selective with mixture-of-experts blocks is not supported yet" in error(
+        pools, 2, ["--model", "gpt-moe-tiny", "--ep", "2", "--recompute", "selective"] + tiny)
+
+
+def test_moe_alone_is_plain_pytorch():
+    # one process, no mesh: the MoE block runs, routes top-k and trains its router
+    moe = MoE(16, MoEConfig(n_experts=4, top_k=2, hidden=8))
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(3, 5, 16)
+    moe(x).sum().backward()
+    assert moe.router.gate.weight.grad.abs().sum() > 0 and moe.experts.w1.grad.abs().sum() > 0
+    assert float(end_step([moe])[2]) == 3 * 5 * 2     # routed copies: tokens x top-k

@@ -1,0 +1,110 @@
+import time
+
+import pytest
+import torch.distributed as dist
+
+from meshtron import AXES, degree, init_mesh, submesh
+from meshtron.distributed.mesh import resolve_degrees
+
+from harness import mesh
+
+LAYOUTS_8 = [
+    dict(dp=8),
+    dict(dp=-1, tp=2),
+    dict(dp=2, pp=2, tp=2),
+    dict(dp=1, pp=2, cp=2, tp=2),
+    dict(dp=2, cp=2, ep=2),
+    dict(dp=2, pp=2, cp=1, tp=1, ep=2),
+    dict(dp=1, pp=1, cp=1, tp=8),
+]
+
+
+def _shapes(rank, world, degrees):
+    m = mesh(**degrees)
+    # every rank checks that sub-mesh groups contain exactly the ranks that
+    # differ only along those axes, by summing ranks inside each group
+    out = {"names": m.mesh_dim_names, "shape": tuple(m.shape)}
+    for name in AXES + ("batch", "dense_dp", "expert_dp", "loss"):
+        sm = submesh(m, name)
+        out[name] = (sm.size(), sorted(sm.mesh.flatten().tolist()))
+    return out
+
+
+@pytest.mark.parametrize("degrees", LAYOUTS_8, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_mesh_shapes_on_8_ranks(pools, degrees):
+    results = pools.run(8, _shapes, degrees)
+    full = resolve_degrees(8, **degrees)
+    for rank, r in enumerate(results):
+        assert r["names"] == ("dp", "pp", "cp", "tp", "ep")
+        assert r["shape"] == tuple(full[a] for a in AXES)
+        for a in AXES:
+            assert r[a][0] == full[a]
+        assert r["batch"][0] == full["dp"] * full["ep"]
+        assert r["dense_dp"][0] == full["dp"] * full["cp"] * full["ep"]
+        assert r["expert_dp"][0] == full["dp"] * full["cp"]
+        assert r["loss"][0] == r["dense_dp"][0]
+        # innermost axes are contiguous ranks: tp*ep consecutive ranks share a node
+        inner = full["tp"] * full["ep"]
+        tp_ep = sorted(set(r["tp"][1]) | set(r["ep"][1]))
+        assert tp_ep == list(range(rank // inner * inner, rank // inner * inner + inner))
+        for name in AXES + ("batch", "dense_dp", "expert_dp", "loss"):
+            assert rank in r[name][1]
+
+
+def _bad_layout(rank, world, degrees):
+    t0 = time.perf_counter()
+    try:
+        init_mesh(device_type="cpu", **degrees)
+    except ValueError as e:
+        return str(e), time.perf_counter() - t0
+    return None, 0.0
+
+
+BAD = [
+    (dict(dp=3), "does not equal the world size 4"),
+    (dict(dp=-1, tp=3), "does not divide the world size 4"),
+    (dict(dp=0, tp=4), "dp=0 must be a positive integer"),
+    (dict(dp=2, pp=-2), "pp=-2 must be a positive integer"),
+]
+
+
+def test_bad_layouts_raise_on_every_rank_before_any_collective(pools):
+    # what a model needs of the layout (heads divisible by tp, ...) its spec checks: tests/models
+    for degrees, msg in BAD:
+        results = pools.run(4, _bad_layout, degrees, timeout=20)
+        for text, seconds in results:
+            assert text is not None and msg in text, (degrees, text)
+            assert seconds < 0.5
+    # the pool's ranks are still in step: a collective after all those errors works
+    assert pools.run(4, _all_reduce_ok) == [True] * 4
+
+
+def _all_reduce_ok(rank, world):
+    import torch
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item() == world
+
+
+def test_resolve_degrees_without_a_world():
+    assert resolve_degrees(16, dp=-1, pp=2, tp=4) == dict(dp=2, pp=2, cp=1, tp=4, ep=1)
+    with pytest.raises(ValueError, match="tp=1.5"):
+        resolve_degrees(4, tp=1.5)
+
+
+def _size_one_axes_cost_nothing(rank, world):
+    import torch
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from meshtron.distributed.reduce import grad_norm, mean_over
+    m = mesh(dp=4)
+    with CommDebugMode() as comm:
+        loss = mean_over(torch.tensor(1.0), m, "loss")  # dp=4: one all-reduce
+        norm = grad_norm([], m)                          # pp=1: none
+    return comm.get_total_counts(), degree(m, "tp"), float(loss), float(norm)
+
+
+def test_size_one_axes_issue_no_collectives(pools):
+    for counts, tp, loss, norm in pools.run(4, _size_one_axes_cost_nothing):
+        assert tp == 1 and loss == 1.0 and norm == 0.0
+        assert counts == 1

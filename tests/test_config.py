@@ -1,0 +1,46 @@
+"""The config tree: the command line and TOML files are two views of it."""
+import pytest
+
+from meshtron import Config
+from meshtron.config import ConfigError, parser
+from meshtron.models import PRESETS
+
+
+def test_print_config_reads_back_as_the_same_config(tmp_path, capsys):
+    argv = ["--model", "llama-tiny", "--tp", "2", "--sp", "--steps", "7", "--lr", "3e-4", "--no-loss-parallel",
+            "--data", "corpus.txt", "--eval-steps", "3"]
+    with pytest.raises(SystemExit) as e:
+        Config.from_args(argv + ["--print-config"], models=PRESETS)
+    assert e.value.code == 0
+    (tmp_path / "run.toml").write_text(capsys.readouterr().out)
+    assert Config.from_args(["--config", str(tmp_path / "run.toml")], models=PRESETS) == \
+        Config.from_args(argv, models=PRESETS)
+
+
+def test_flags_override_the_file(tmp_path):
+    (tmp_path / "run.toml").write_text('[parallel]\ntp = 2\nsp = true\n[training]\nsteps = 7\nlr = 1\n')
+    c = Config.from_args(["--config", str(tmp_path / "run.toml"), "--steps", "9"], models=PRESETS)
+    assert (c.parallel.tp, c.parallel.sp, c.training.steps, c.training.lr) == (2, True, 9, 1.0)
+
+
+@pytest.mark.parametrize("text,msg", [
+    ("[paralel]\ntp = 2\n", "unknown section [paralel]"),
+    ("[parallel]\ntpp = 2\n", "[parallel] has no field 'tpp'"),
+    ("[parallel]\ntp = \"2\"\n", "[parallel] tp = '2' must be a int"),
+    ("[parallel]\nsp = 1\n", "[parallel] sp = 1 must be a bool"),
+    ("[parallel]\npp_schedule = \"chimera\"\n", "pp_schedule = 'chimera' must be one of"),
+    ("[model]\nmodel = \"gpt5\"\n", "model = 'gpt5' must be one of"),
+    ("[parallel\n", "--config"),
+])
+def test_bad_config_files_name_the_problem(tmp_path, text, msg):
+    (tmp_path / "bad.toml").write_text(text)
+    with pytest.raises(ConfigError, match=msg.replace("[", "\\[").replace("]", "\\]")):
+        Config.from_args(["--config", str(tmp_path / "bad.toml")], models=PRESETS)
+
+
+def test_every_flag_has_help_and_shows_its_default():
+    for action in parser(models=PRESETS)._actions:
+        if action.dest != "help":
+            assert action.help, action.dest
+            if action.dest not in ("config", "print_config"):
+                assert "(default: " in action.help, action.dest

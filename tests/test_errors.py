@@ -1,0 +1,161 @@
+"""Bad input is one clear sentence, raised on every rank before anything runs
+(never a hang, never a crash inside gloo, never a silent wrong run), and the
+recipe prints it once and exits non-zero."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+
+from meshtron.data import load_tokens, write_token_file
+from meshtron.distributed.agree import agree
+
+from harness import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--model", "tiny", "--seq-len", "32", "--steps", "2", "--micro-batch", "2"]
+
+
+def _expect_error(rank, world, argv, exit_after=None):
+    try:
+        train(rank, world, argv, exit_after)
+    except (ValueError, OSError) as e:
+        return type(e).__name__, str(e), getattr(e, "all_ranks", False)
+    return None
+
+
+def error(pools, world, argv, exit_after=None):
+    """The error every rank raised; the pool must still be healthy afterwards."""
+    results = pools.run(world, _expect_error, argv, exit_after, timeout=60)
+    assert all(r is not None for r in results), results
+    assert len({r[1] for r in results}) == 1, results             # the same message on every rank
+    assert all(r[2] for r in results)                              # marked as found on every rank
+    return results[0][1]
+
+
+CASES = {  # (world, argv, message) -- issue 11, points 4, 5, 7, 8
+    "cp and the sequence": (2, ["--cp", "2", "--seq-len", "30"],
+                            "cp=2 needs the sequence length 30 to be divisible by 2*cp=4"),
+    "ep without experts": (2, ["--ep", "2"], "ep=2 needs a mixture-of-experts model whose expert count it divides "
+                                             "(this model has 0 experts)"),
+    "moe option on a dense model": (1, ["--moe-capacity", "1.0"], "--moe-capacity applies to mixture-of-experts"),
+    "sp without tp": (1, ["--sp"], "--sp (sequence parallelism) shards the sequence over tp ranks: it needs --tp > 1"),
+    "steps 0": (1, ["--steps", "0"], "--steps must be at least 1, not 0"),
+    "steps -5": (1, ["--steps", "-5"], "--steps must be at least 1, not -5"),
+    "resume auto without dir": (1, ["--resume", "auto"], "--resume auto looks for checkpoints in --checkpoint-dir"),
+    "keep 0": (1, ["--keep-checkpoints", "0"], "--keep-checkpoints must be at least 1, not 0"),
+    "seq-len 0": (1, ["--seq-len", "0"], "--seq-len must be at least 1, not 0"),
+    "micro-batch 0": (1, ["--micro-batch", "0"], "--micro-batch must be at least 1, not 0"),
+    "log-interval 0": (1, ["--log-interval", "0"], "--log-interval must be at least 1, not 0"),
+    "checkpoint-interval 0": (1, ["--checkpoint-interval", "0"], "--checkpoint-interval must be at least 1, not 0"),
+    "sp with an odd sequence": (2, ["--tp", "2", "--sp", "--seq-len", "127"],
+                                "sequence parallelism splits the sequence over tp=2 ranks: --seq-len 127 must be "
+                                "divisible by 2"),
+    "sp with seq 33": (2, ["--tp", "2", "--sp", "--seq-len", "33"], "--seq-len 33 must be divisible by 2"),
+    "mesh and world": (4, ["--tp", "3"], "pp*cp*tp*ep = 1*1*3*1 = 3 does not divide the world size 4"),
+    "unknown schedule pieces": (2, ["--pp", "2", "--microbatches", "1"], "needs at least pp=2 micro-batches, got 1"),
+    "global batch": (2, ["--dp", "2", "--global-batch", "5"], "--global-batch 5 must be a multiple of"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_arguments_are_one_clear_error_on_every_rank(pools, case):
+    world, argv, message = CASES[case]
+    assert message in error(pools, world, TINY + argv)
+
+
+def test_bad_test_hook_values_are_errors(pools):
+    assert "exit_after must be at least 1, not 0" in error(pools, 1, TINY, exit_after=0)
+
+
+def test_data_problems_name_the_file(pools, tmp_path):
+    # issue 11, points 3, 5, 8: out-of-vocabulary ids, a directory of token files, empty and odd-sized files
+    oov = tmp_path / "oov.u16"
+    write_token_file(str(oov), np.concatenate([np.arange(1000) % 300, [4000], np.arange(100)]))
+    msg = error(pools, 2, TINY + ["--tp", "2", "--data", str(oov)])
+    assert str(oov) in msg and "token id 4000" in msg and "vocabulary size 320" in msg and "position 1000" in msg
+    (tmp_path / "shards").mkdir()
+    write_token_file(str(tmp_path / "shards" / "a.u16"), np.arange(100))
+    assert "is a directory holding token files (a.u16)" in error(pools, 1, TINY + ["--data", str(tmp_path / "shards")])
+    empty = tmp_path / "empty.u16"
+    empty.write_bytes(b"")
+    assert f"token file {empty} is empty" in error(pools, 1, TINY + ["--data", str(empty)])
+    odd = tmp_path / "odd.u16"
+    odd.write_bytes(b"\x01\x00\x02")
+    assert f"token file {odd} has 3 bytes, not a whole number of uint16 tokens" in error(
+        pools, 1, TINY + ["--data", str(odd)])
+
+
+def test_out_of_vocabulary_ids_are_caught_at_load(tmp_path):
+    path = str(tmp_path / "t.u32")
+    write_token_file(path, [1, 2, 500, 3])
+    with pytest.raises(ValueError, match="token id 500 .* not below the model's vocabulary size 320"):
+        load_tokens(path, 320)
+    assert list(load_tokens(path, 501)) == [1, 2, 500, 3]
+
+
+def _one_rank_fails(rank, world):
+    try:
+        with agree():
+            if rank == world - 1:
+                raise FileNotFoundError(f"rank {rank} cannot read /data/shard-{rank}")
+    except FileNotFoundError as e:
+        return str(e).split("\n")[0], e.all_ranks
+    return None
+
+
+def test_a_problem_one_rank_finds_stops_every_rank_with_its_message(pools):
+    # issue 11, point 9: the others do not wait in a collective until the timeout
+    results = pools.run(4, _one_rank_fails, timeout=30)
+    assert results == [("rank 3 cannot read /data/shard-3", True)] * 4
+    assert pools.run(4, _all_reduce_ok) == [True] * 4                # and the ranks are still in step
+
+
+def _all_reduce_ok(rank, world):
+    import torch
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item() == world
+
+
+def _run_recipe(args, nproc=None, env=None):
+    cmd = [sys.executable, os.path.join(ROOT, "recipes", "train.py")] if nproc is None else \
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
+         os.path.join(ROOT, "recipes", "train.py")]
+    return subprocess.run(cmd + args, env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})), capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_the_recipe_prints_one_line_once_and_exits_non_zero():
+    # issue 11, point 11: one process, then 4 ranks under torchrun
+    out = _run_recipe(TINY + ["--tp", "2", "--sp"])
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.strip().splitlines() == [
+        "error: pp*cp*tp*ep = 1*1*2*1 = 2 does not divide the world size 1"], out.stderr
+    out = _run_recipe(TINY + ["--tp", "2", "--sp", "--seq-len", "127"], nproc=4)
+    assert out.returncode != 0
+    ours = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert ours == ["error: sequence parallelism splits the sequence over tp=2 ranks: --seq-len 127 must be "
+                    "divisible by 2"], out.stderr
+    assert "[rank" not in out.stderr and "meshtron" not in out.stderr.split("ChildFailedError")[0].replace(
+        "error: ", ""), out.stderr          # no traceback of ours, no per-rank copies
+    assert out.stderr.count("must be divisible by 2") <= 2    # ours, and torchrun's one-entry summary
+
+
+def test_metrics_file_has_one_json_line_per_logged_step_and_appends_on_resume(pools, tmp_path):
+    # issue 11, point 13
+    path, ck = tmp_path / "m.jsonl", tmp_path / "ck"
+    argv = TINY + ["--steps", "4", "--log-interval", "2", "--metrics-file", str(path), "--checkpoint-dir", str(ck),
+                   "--checkpoint-interval", "2"]
+    first = pools.run(2, train, argv + ["--dp", "2"], 2)[0]
+    second = pools.run(2, train, argv + ["--dp", "2", "--resume", "auto"])[0]
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]        # step 1, the interval, the first step of the resumed run
+    assert [r["loss"] for r in rows] == [first[0], first[1], second[0], second[1]]   # full precision
+    for r in rows:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu",
+                "peak_mem_gib", "step_time_s"} <= set(r), r
+        assert "mfu" not in r            # no GPU here: no peak to divide by

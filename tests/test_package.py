@@ -1,0 +1,91 @@
+"""The package's shape: distributed/ knows no model and no trainer, nothing
+imports in a cycle, model files import no torch.distributed, and the code
+passes the project's ruff configuration."""
+import ast
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PKG = os.path.join(ROOT, "meshtron")
+
+
+def modules() -> dict[str, str]:
+    """meshtron module name -> file, packages by their __init__.py."""
+    out = {}
+    for d, _, files in os.walk(PKG):
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(d, f), ROOT)[:-3].replace(os.sep, ".")
+                out[rel.removesuffix(".__init__")] = os.path.join(d, f)
+    return out
+
+
+def imports(name: str, path: str, known: dict) -> set[str]:
+    """The meshtron modules `name` imports anywhere in its file (lazy imports too).
+    `from a import b` names module a.b when it exists, else a; parent packages a
+    module implicitly initializes are not counted as its imports."""
+    tree = ast.parse(open(path).read())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:   # relative: resolve against this module's package
+                pkg = name.split(".") if path.endswith("__init__.py") else name.split(".")[:-1]
+                base = ".".join(pkg[:len(pkg) - node.level + 1] + ([node.module] if node.module else []))
+            for a in node.names:
+                found.add(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base)
+    return {m for m in found if m in known}
+
+
+def graph():
+    known = modules()
+    return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def test_distributed_imports_no_model_and_no_trainer():
+    for name, deps in graph().items():
+        if name.startswith("meshtron.distributed"):
+            bad = {d for d in deps if d.startswith(("meshtron.models", "meshtron.trainer"))}
+            assert not bad, f"{name} imports {sorted(bad)}"
+
+
+def test_no_import_cycles():
+    g = graph()
+    state = {}
+
+    def visit(n, path):
+        state[n] = "open"
+        for d in sorted(g[n]):
+            if state.get(d) == "open":
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(d):] + [d]))
+            if d not in state:
+                visit(d, path + [d])
+        state[n] = "done"
+
+    for n in sorted(g):
+        if n not in state:
+            visit(n, [n])
+
+
+def test_model_files_are_plain_pytorch():
+    for name, path in modules().items():
+        if name.startswith("meshtron.models.") and name.endswith(".model"):
+            tree = ast.parse(open(path).read())
+            names = {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+            names |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+            assert not any(n.startswith("torch.distributed") for n in names), (name, names)
+
+
+def test_ruff():
+    ruff = shutil.which("ruff") or os.path.join(os.path.dirname(sys.executable), "ruff")
+    if not os.path.exists(ruff):
+        pytest.skip("ruff is not installed (pip install -e '.[test]' installs it)")
+    out = subprocess.run([ruff, "check", "meshtron", "tests", "recipes", "benchmarks"], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stdout[-3000:]
