@@ -1,0 +1,386 @@
+"""The cost model and layout planner: per-rank memory and step time of a layout,
+and every valid layout for a number of GPUs, ranked.
+
+    python -m meshtron.plan --model llama-8B --seq-len 8192 --global-batch 64 --gpus 64 --gpus-per-node 8
+
+It reads the trainer's own pieces: the config tree (a layout is a
+ParallelConfig and a micro-batch), the model spec (its TP plan, pipeline split,
+layout checks, FLOPs), `split_dims`, `stage_ids_of` and the sub-meshes FSDP
+shards over. So a new model or axis is planned without new planner code.
+
+Parameter, gradient and optimizer bytes per rank are exact, parameter by
+parameter: the dim the TP plan splits, the experts' Shard(0) over ep, the
+pipeline stages a pp rank holds (a tied weight has a copy on each stage that
+names it), then FSDP's torch.chunk of dim 0 over the ranks it shards across
+(dp x cp x ep for dense weights, or n/hsdp of them, none at zero 0; dp x cp for
+experts). AdamW keeps two fp32 moments and a step counter per parameter.
+
+Activations follow Korthikanti et al. (2022) with flash attention (no score
+matrix): s*b*h*(10 + 24/t) bytes per layer and micro-batch, 34*s*b*h/t with
+sequence parallelism, s/cp tokens under cp; full recompute keeps the layer
+input, selective keeps the matmul outputs. A pipeline's first stage holds
+min(pp, micro-batches) of them in flight under 1F1B (all under GPipe).
+
+Step time: the model's FLOPs at a matmul efficiency (calibrated per GPU),
+each collective by the alpha-beta model on the link its axis crosses
+(all-reduce 2(n-1)/n of the bytes, all-gather and reduce-scatter (n-1)/n,
+all-to-all (n-1)/n, p2p 1): TP and EP traffic exposed, FSDP's overlapped with
+compute except one unit's worth, the pipeline's bubble by its schedule's
+formula.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import functools
+import itertools
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from meshtron import models
+from meshtron.config import ParallelConfig
+from meshtron.distributed.mesh import AXES
+from meshtron.distributed.pipeline_parallel import bubble_fraction, check_pipeline, stage_ids_of
+from meshtron.distributed.tensor_parallel import matches, split_dims
+from meshtron.models.common.moe import Experts
+
+GiB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the step-time model needs of a GPU and its links (`calibrate` measures it)."""
+    name: str
+    peak_flops: float          # dense bf16 FLOP/s (what MFU is quoted against)
+    matmul_efficiency: float   # achieved / peak at training shapes
+    memory_bytes: float        # usable device memory
+    intra: tuple[float, float]  # (alpha s, bandwidth B/s) inside a node
+    inter: tuple[float, float]  # across nodes
+
+
+GPUS = {
+    "h200": Hardware("h200", 989e12, 0.70, 139 * GiB, (25e-6, 331e9), (30e-6, 45e9)),
+    "h100": Hardware("h100", 989e12, 0.65, 78 * GiB, (25e-6, 331e9), (30e-6, 45e9)),
+}
+
+
+def hardware(name: str) -> Hardware:
+    if name in GPUS:
+        return GPUS[name]
+    with open(name) as f:   # a calibration file
+        return Hardware(**{k: tuple(v) if isinstance(v, list) else v for k, v in json.load(f).items()})
+
+
+# ---- exact per-rank state bytes -------------------------------------------------------
+
+def coordinate(rank: int, degrees: dict[str, int]) -> dict[str, int]:
+    """The mesh coordinate of a rank (row-major over AXES, as init_mesh lays it out)."""
+    out = {}
+    for a in reversed(AXES):
+        rank, out[a] = divmod(rank, degrees[a])
+    return out
+
+
+def _chunk(n: int, k: int, i: int) -> int:
+    """Size of torch.chunk(n, k)[i] (empty past the last chunk), as FSDP2 and Shard cut."""
+    size = -(-n // k)
+    return max(0, min(size, n - i * size))
+
+
+@functools.cache
+def _meta_model(spec_name: str, cfg) -> torch.nn.Module:
+    with torch.device("meta"):
+        return models.MODELS[spec_name].model_cls(cfg, seed=None)
+
+
+@functools.cache
+def _param_table(spec_name: str, cfg, tp: int, sp: bool, loss_parallel: bool) -> dict:
+    """{parameter name (every name of a tied one): (id, TP-local shape, is an expert weight)}."""
+    spec, model = models.MODELS[spec_name], _meta_model(spec_name, cfg)
+    modules = dict(model.named_modules())
+    moe = any(isinstance(m, Experts) for m in modules.values())
+    styles = {}
+    for pattern, style in (spec.tp_plan(model, sp, loss_parallel, moe) if tp > 1 else {}).items():
+        for n in modules:   # later entries win, as in parallelize_module
+            if matches(pattern, n):
+                styles[n] = style
+    table = {}
+    for mname, mod in modules.items():
+        dims = split_dims(mname, mod, styles[mname]) if mname in styles else {}
+        for pname, p in mod.named_parameters(recurse=False):
+            shape = list(p.shape)
+            if pname in dims:
+                shape[dims[pname]] //= tp
+            table[f"{mname}.{pname}" if mname else pname] = (id(p), tuple(shape), isinstance(mod, Experts))
+    for name, p in model.named_parameters(remove_duplicate=False):   # the other names of tied ones
+        table.setdefault(name, next(v for k, v in table.items() if v[0] == id(p)))
+    return table
+
+
+@functools.cache
+def _stage_shapes(spec_name: str, cfg, tp: int, sp: bool, loss_parallel: bool, pp_stages: int):
+    """Per pipeline stage: [((TP-local shape, is an expert weight), how many)] of the unique parameters it holds."""
+    table = _param_table(spec_name, cfg, tp, sp, loss_parallel)
+    stages = models.MODELS[spec_name].pipeline_split(cfg, pp_stages) if pp_stages > 1 else [[""]]
+    owner = {m: s for s, names in enumerate(stages) for m in names}
+    held = [dict() for _ in stages]
+    for name, (pid, shape, expert) in table.items():
+        parts = name.split(".")
+        for k in range(len(parts)):   # the module prefix a stage names
+            s = owner.get(".".join(parts[:k]))
+            if s is not None:
+                held[s][pid] = (shape, expert)
+                break
+    return [list(collections.Counter(h.values()).items()) for h in held]
+
+
+def state_bytes(spec, cfg, par: ParallelConfig, rank: int) -> dict[str, int]:
+    """{params, grads, optim} bytes that `rank` holds under the layout `par` (explicit degrees)."""
+    d = par.degrees()
+    c = coordinate(rank, d)
+    pp_stages = d["pp"] * par.pp_virtual
+    shapes = _stage_shapes(spec.name, cfg, d["tp"], par.sp, par.loss_parallel, pp_stages)
+    stages = stage_ids_of(c["pp"], d["pp"], par.pp_virtual, par.pp_schedule) if d["pp"] > 1 else [0]
+    n_dense = d["dp"] * d["cp"] * d["ep"]
+    fsdp = n_dense > 1 or par.dtype != "fp32"
+    zero = par.zero if n_dense > 1 else 1
+    replicate = n_dense if zero == 0 else par.hsdp
+    flat = (c["dp"] * d["cp"] + c["cp"]) * d["ep"] + c["ep"]
+    dense_shards, dense_index = n_dense // replicate, flat % (n_dense // replicate)
+    expert_shards, expert_index = d["dp"] * d["cp"], c["dp"] * d["cp"] + c["cp"]
+    numel = count = 0
+    for s in stages:
+        for (shape, expert), times in shapes[s]:
+            shape = list(shape)
+            if expert:
+                shape[0] = _chunk(shape[0], d["ep"], c["ep"])
+            if fsdp:
+                k, i = (expert_shards, expert_index) if expert else (dense_shards, dense_index)
+                shape[0] = _chunk(shape[0], k, i)
+            numel += math.prod(shape) * times
+            count += times
+    # fp32 master weights and gradients; AdamW: two fp32 moments and a 0-d fp32 step each
+    return {"params": 4 * numel, "grads": 4 * numel, "optim": 8 * numel + 4 * count}
+
+
+def fullest_state(spec, cfg, par: ParallelConfig) -> int:
+    """The most state bytes any rank holds: FSDP's first chunks are the largest, and
+    the pp ranks hold different stages."""
+    stride_pp = math.prod(par.degrees()[a] for a in AXES[AXES.index("pp") + 1:])
+    return max(sum(state_bytes(spec, cfg, par, r * stride_pp).values()) for r in range(par.pp))
+
+
+# ---- activations and step time --------------------------------------------------------
+
+@dataclass(frozen=True)
+class Prediction:
+    par: ParallelConfig
+    micro_batch: int
+    microbatches: int
+    memory: float            # bytes on the fullest rank
+    state: float             # of which parameters, gradients, optimizer state
+    activations: float
+    step_s: float
+    mfu: float
+    exposed_comm_s: float
+
+    def flags(self) -> str:
+        p, d = self.par, self.par.degrees()
+        out = [f"--{a} {d[a]}" for a in AXES if d[a] > 1 or a == "dp"]
+        out += ["--sp"] * p.sp + [f"--zero {p.zero}", f"--micro-batch {self.micro_batch}"]
+        if d["pp"] > 1:
+            out += [f"--pp-schedule {p.pp_schedule}"] + [f"--pp-virtual {p.pp_virtual}"] * (p.pp_virtual > 1)
+        if p.recompute != "none":
+            out.append(f"--recompute {p.recompute}")
+        if p.hsdp > 1:
+            out.append(f"--hsdp {p.hsdp}")
+        return " ".join(out)
+
+
+def _link(axis: str, degrees: dict[str, int], gpus_per_node: int, hw: Hardware) -> tuple[float, float]:
+    """The (alpha, bandwidth) of the link an axis' groups cross: the inner axes' ranks
+    are adjacent, so a group spans stride * size consecutive ranks."""
+    inner = AXES[AXES.index(axis) + 1:]
+    span = math.prod(degrees[a] for a in inner) * degrees[axis]
+    return hw.intra if span <= gpus_per_node else hw.inter
+
+
+def collective_s(kind: str, nbytes: float, n: int, link: tuple[float, float]) -> float:
+    """alpha-beta time of one collective over n ranks moving `nbytes` (the full tensor)."""
+    if n <= 1:
+        return 0.0
+    alpha, bw = link
+    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
+              "all_to_all": (n - 1) / n, "p2p": 1.0}[kind]
+    return alpha * (n - 1 if kind != "p2p" else 1) + nbytes * factor / bw
+
+
+def activation_bytes(cfg, par: ParallelConfig, micro_batch: int, seq_len: int, layers: int) -> float:
+    """One micro-batch's saved activations over `layers` layers on one rank (bf16)."""
+    d = par.degrees()
+    s, b, h, t = seq_len / d["cp"], micro_batch, cfg.dim, d["tp"]
+    if par.recompute == "full":
+        per_layer = 2 * s * b * h / (t if par.sp else 1)
+    elif par.recompute == "selective":
+        per_layer = s * b * h * (20 / t if par.sp else 2 + 18 / t)
+    else:
+        per_layer = s * b * h * (34 / t if par.sp else 10 + 24 / t)
+    logits = 2 * 4 * s * b * cfg.vocab_size / t    # fp32 logits and their gradient, on the last stage
+    return per_layer * layers + logits / max(1, d["pp"])
+
+
+def predict(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: int, seq_len: int, hw: Hardware,
+            gpus_per_node: int, memo: dict | None = None) -> Prediction:
+    """Memory and step time of one layout; `memo` shares the state bytes between
+    layouts that differ only in micro-batching or recompute."""
+    d = par.degrees()
+    n = math.prod(d.values())
+    key = tuple(getattr(par, f.name) for f in dataclasses.fields(par) if f.name not in ("recompute", "microbatches"))
+    if memo is None or key not in memo:   # micro-batching and recompute leave the state as it is
+        state = fullest_state(spec, cfg, par)
+        if memo is not None:
+            memo[key] = state
+    state = memo[key] if memo is not None else state
+    layers = math.ceil(cfg.n_layers / d["pp"])
+    in_flight = microbatches if par.pp_schedule == "gpipe" and d["pp"] > 1 else min(d["pp"], microbatches)
+    acts = activation_bytes(cfg, par, micro_batch, seq_len, layers) * in_flight
+    params_stage = cfg.num_params() / d["pp"] / d["tp"]
+    gathered = 2 * params_stage * (1 if par.zero in (0, 1, 2) else 2 / max(1, layers))  # bf16 unsharded copies
+    memory = state + acts + gathered
+
+    tokens = micro_batch * microbatches * seq_len          # per data-parallel rank and step
+    flops = cfg.flops_per_token(seq_len) * tokens / (d["cp"] * d["tp"] * d["pp"])
+    if par.recompute == "full":
+        flops *= 4 / 3
+    compute = flops / (hw.peak_flops * hw.matmul_efficiency)
+    act_bytes = 2 * micro_batch * seq_len / d["cp"] * cfg.dim   # one bf16 activation of a micro-batch
+    tp_link = _link("tp", d, gpus_per_node, hw)
+    if par.sp:
+        tp_comm = 4 * (collective_s("all_gather", act_bytes, d["tp"], tp_link)
+                       + collective_s("reduce_scatter", act_bytes, d["tp"], tp_link))
+    else:
+        tp_comm = 4 * collective_s("all_reduce", act_bytes, d["tp"], tp_link)
+    tp_comm *= layers * microbatches
+    n_dense = d["dp"] * d["cp"] * d["ep"]
+    dense_link = _link("dp", d, gpus_per_node, hw) if d["dp"] > 1 else _link("cp", d, gpus_per_node, hw)
+    gathers = 1 if par.zero in (0, 1, 2) else 2 * microbatches
+    scatters = 1 if par.zero in (0, 1) else microbatches
+    fsdp = (gathers * collective_s("all_gather", 2 * params_stage, n_dense, dense_link)
+            + scatters * collective_s("reduce_scatter", 4 * params_stage, n_dense, dense_link))
+    fsdp_exposed = max(0.0, fsdp - compute) + fsdp / max(1, layers)
+    pp_comm = 0.0
+    if d["pp"] > 1:
+        pp_comm = 2 * microbatches * collective_s("p2p", act_bytes / (d["tp"] if par.sp else 1), 2,
+                                                  _link("pp", d, gpus_per_node, hw))
+    ep_comm = 0.0
+    moe = getattr(cfg, "moe", None)
+    if moe is not None and d["ep"] > 1:
+        routed = act_bytes * moe.top_k
+        ep_comm = 4 * layers * microbatches * collective_s("all_to_all", routed, d["ep"],
+                                                           _link("ep", d, gpus_per_node, hw))
+    cp_comm = 0.0
+    if d["cp"] > 1:   # the ring: cp-1 K/V blocks forward, K/V and dK/dV backward, behind the block's attention
+        kv_bytes = 2 * 2 * micro_batch * seq_len / d["cp"] * getattr(cfg, "n_kv_heads", cfg.n_heads) * (
+            cfg.dim // cfg.n_heads) / d["tp"]
+        ring = 3 * (d["cp"] - 1) * collective_s("p2p", kv_bytes, 2, _link("cp", d, gpus_per_node, hw))
+        attention = 3 * 4 * micro_batch * seq_len ** 2 / d["cp"] * cfg.dim / d["tp"] / (
+            hw.peak_flops * hw.matmul_efficiency)
+        cp_comm = max(0.0, ring - attention) * layers * microbatches
+    busy = compute + tp_comm + ep_comm + cp_comm
+    bubble = bubble_fraction(par.pp_schedule, d["pp"], microbatches, par.pp_virtual) if d["pp"] > 1 else 0.0
+    step = busy / (1 - bubble) + pp_comm + fsdp_exposed
+    model_flops = cfg.flops_per_token(seq_len) * tokens * d["dp"] * d["ep"]
+    return Prediction(par, micro_batch, microbatches, memory, state, acts, step,
+                      model_flops / (step * n * hw.peak_flops), tp_comm + ep_comm + cp_comm + pp_comm + fsdp_exposed)
+
+
+# ---- enumeration ------------------------------------------------------------------------
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def layouts(spec, cfg, gpus: int, seq_len: int, global_batch: int, gpus_per_node: int, dtype: str = "bf16"):
+    """Every (ParallelConfig, micro-batch, micro-batches) the trainer accepts for this job."""
+    moe = getattr(cfg, "moe", None)
+    for tp, pp, cp, ep in itertools.product(_divisors(gpus), repeat=4):
+        if gpus % (tp * pp * cp * ep) or tp > gpus_per_node or (ep > 1 and moe is None):
+            continue
+        dp = gpus // (tp * pp * cp * ep)
+        batch_ranks = dp * ep
+        if global_batch % batch_ranks:
+            continue
+        for zero, mb, recompute, (schedule, virtual) in itertools.product(
+                (0, 1, 2, 3), (1, 2, 4, 8), ("none", "selective", "full"),
+                [("1f1b", 1), ("interleaved-1f1b", 2)] if pp > 1 else [("1f1b", 1)]):
+            if global_batch % (batch_ranks * mb) or (dp * cp * ep == 1 and zero != 1):
+                continue   # with nothing to shard over, the trainer runs zero 1
+            if recompute == "selective" and moe is not None:
+                continue
+            m = global_batch // (batch_ranks * mb)
+            par = ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, sp=tp > 1, zero=zero, recompute=recompute,
+                                 pp_schedule=schedule, pp_virtual=virtual, dtype=dtype, microbatches=m)
+            try:
+                spec.check_layout(cfg, par.degrees(), par, seq_len)
+                if pp > 1:
+                    check_pipeline(schedule, pp, virtual, m, cfg.n_layers)
+            except ValueError:
+                continue
+            yield par, mb, m
+
+
+def plan(model: str, seq_len: int, global_batch: int, gpus: int, gpus_per_node: int = 8,
+         gpu: str = "h200") -> tuple[list[Prediction], list[Prediction]]:
+    """(layouts that fit, fastest first; those that do not, smallest first)."""
+    spec, cfg = models.get(model)
+    hw = hardware(gpu)
+    memo = {}
+    preds = [predict(spec, cfg, par, mb, m, seq_len, hw, gpus_per_node, memo)
+             for par, mb, m in layouts(spec, cfg, gpus, seq_len, global_batch, gpus_per_node)]
+    fit = sorted((p for p in preds if p.memory <= hw.memory_bytes), key=lambda p: (round(p.step_s, 4), p.memory))
+    over = sorted((p for p in preds if p.memory > hw.memory_bytes), key=lambda p: p.memory)
+    return fit, over
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m meshtron.plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, choices=tuple(models.PRESETS))
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
+    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu", default="h200", help="h200, h100 or a calibration JSON file")
+    p.add_argument("--top", type=int, default=15)
+    a = p.parse_args(argv)
+    t0 = time.perf_counter()
+    fit, over = plan(a.model, a.seq_len, a.global_batch, a.gpus, a.gpus_per_node, a.gpu)
+    print(f"{a.model}, sequence {a.seq_len}, global batch {a.global_batch}, {a.gpus} x {a.gpu} "
+          f"({a.gpus_per_node} per node): {len(fit)} layouts fit, {len(over)} do not "
+          f"(planned in {time.perf_counter() - t0:.2f} s)")
+    print(f"{'#':>3} {'step ms':>8} {'MFU':>6} {'GiB':>7} {'state':>7} {'acts':>7}  command")
+    per_node = min(a.gpus, a.gpus_per_node)
+    launch = f"torchrun --nnodes {a.gpus // per_node} " * (a.gpus > per_node) + f"--nproc-per-node {per_node}"
+    launch = launch if a.gpus > per_node else f"torchrun {launch}"
+    for i, pr in enumerate(fit[:a.top], 1):
+        print(f"{i:>3} {pr.step_s * 1e3:8.1f} {pr.mfu:6.1%} {pr.memory / GiB:7.1f} {pr.state / GiB:7.1f} "
+              f"{pr.activations / GiB:7.1f}  {launch} recipes/train.py "
+              f"--model {a.model} --seq-len {a.seq_len} --global-batch {a.global_batch} --dtype bf16 {pr.flags()}")
+    if not fit and over:
+        best = over[0]
+        print(f"nothing fits in {hardware(a.gpu).memory_bytes / GiB:.0f} GiB; the smallest needs "
+              f"{best.memory / GiB:.1f} GiB ({best.flags()}): more GPUs, a smaller micro-batch or sequence")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
+
+
+__all__ = ["GPUS", "Hardware", "Prediction", "coordinate", "layouts", "plan", "predict",
+           "state_bytes"]

@@ -1,0 +1,84 @@
+"""The planner (issue 17): its per-rank parameter, gradient and optimizer bytes
+equal what each rank of a real run holds after a step, under every axis, and
+its enumeration and ranking run fast for 64 GPUs."""
+import dataclasses
+import time
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from meshtron import plan
+from meshtron.distributed.mesh import resolve_degrees
+
+ARGS = ["--seq-len", "16", "--steps", "1", "--log-interval", "1", "--max-norm", "1.0"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _measured_and_predicted(rank, world, argv):
+    from meshtron.config import Config
+    from meshtron.models import PRESETS
+    from meshtron.trainer import Trainer
+    trainer = Trainer(Config.from_args(argv, models=PRESETS), verbose=False)
+    params = list({id(p): p for part in trainer.parts for p in part.parameters()}.values())
+    grads = []   # what the optimizer steps on (the trainer frees gradients after the step)
+    trainer.optimizer.register_step_pre_hook(lambda *_: grads.append(
+        sum(_local(p.grad).numel() * p.grad.element_size() for p in params if p.grad is not None)))
+    trainer.train()
+    measured = {
+        "params": sum(_local(p).numel() * p.element_size() for p in params),
+        "grads": grads[0],
+        "optim": sum(_local(v).numel() * v.element_size() for s in trainer.optimizer.state.values()
+                     for v in s.values() if torch.is_tensor(v)),
+    }
+    par = dataclasses.replace(trainer.config.parallel, **resolve_degrees(world, **trainer.config.parallel.degrees()))
+    return measured, plan.state_bytes(trainer.spec, trainer.model_config, par, rank)
+
+
+LAYOUTS = {
+    2: [["--model", "tiny", "--dp", "2", "--zero", "3"],
+        ["--model", "tiny", "--tp", "2", "--sp"],
+        ["--model", "llama-tiny", "--pp", "2", "--global-batch", "4", "--micro-batch", "1"],
+        ["--model", "llama-moe-tiny", "--ep", "2", "--zero", "2"]],
+    4: [["--model", "tiny", "--dp", "2", "--tp", "2", "--sp", "--zero", "3"],
+        ["--model", "llama-tiny", "--dp", "4", "--zero", "0"],
+        ["--model", "llama-tiny", "--dp", "4", "--hsdp", "2", "--zero", "2"],
+        ["--model", "tiny", "--dp", "2", "--pp", "2", "--pp-schedule", "interleaved-1f1b", "--pp-virtual", "2",
+         "--global-batch", "8", "--micro-batch", "2"],
+        ["--model", "llama-tiny", "--cp", "2", "--tp", "2", "--dtype", "bf16"],
+        ["--model", "llama-moe-tiny", "--dp", "2", "--ep", "2", "--zero", "3"],
+        ["--model", "tiny", "--pp", "2", "--pp-schedule", "zbv", "--pp-virtual", "2", "--tp", "2",
+         "--global-batch", "4", "--micro-batch", "1"]],
+    8: [["--model", "tiny", "--dp", "2", "--pp", "2", "--tp", "2", "--sp", "--zero", "3", "--global-batch", "8",
+         "--micro-batch", "2"],
+        ["--model", "llama-moe-tiny", "--dp", "2", "--cp", "2", "--ep", "2", "--zero", "1"]],
+}
+
+
+@pytest.mark.parametrize("world,argv", [(w, a) for w, layouts in LAYOUTS.items() for a in layouts],
+                         ids=lambda v: " ".join(v).replace("--", "") if isinstance(v, list) else str(v))
+def test_predicted_state_bytes_equal_each_ranks_measured(pools, world, argv):
+    for rank, (measured, predicted) in enumerate(pools.run(world, _measured_and_predicted, argv + ARGS,
+                                                           timeout=300)):
+        assert measured == predicted, f"rank {rank}"
+
+
+def test_plan_ranks_every_layout_of_64_gpus_in_under_2_seconds():
+    t0 = time.process_time()   # this process' CPU time: other jobs on the machine do not count
+    fit, over = plan.plan("llama-8B", seq_len=8192, global_batch=64, gpus=64, gpus_per_node=8)
+    took = time.process_time() - t0
+    assert fit and took < 2.0, took
+    best = fit[0]
+    assert best.par.tp <= 8 and best.memory <= plan.GPUS["h200"].memory_bytes
+    assert all(a.step_s <= b.step_s for a, b in zip(fit, fit[1:]))
+    # a model of 8B cannot hold its fp32 weights, grads and Adam state unsharded on one GPU
+    assert all(p.par.degrees()["dp"] * p.par.tp * p.par.pp > 1 for p in fit)
+
+
+def test_the_command_prints_a_ranked_table(capsys):
+    plan.main(["--model", "llama-1B", "--seq-len", "2048", "--global-batch", "32", "--gpus", "4", "--top", "3"])
+    out = capsys.readouterr().out
+    assert "layouts fit" in out and out.count("recipes/train.py --model llama-1B") == 3
