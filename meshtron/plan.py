@@ -45,7 +45,7 @@ import torch
 
 from meshtron import models
 from meshtron.config import ParallelConfig
-from meshtron.distributed.mesh import AXES
+from meshtron.distributed.mesh import AXES, SUBMESHES
 from meshtron.distributed.pipeline_parallel import bubble_fraction, check_pipeline, stage_ids_of
 from meshtron.distributed.tensor_parallel import matches, split_dims
 from meshtron.models.common.moe import Experts
@@ -111,15 +111,14 @@ def _param_table(spec_name: str, cfg, tp: int, sp: bool, loss_parallel: bool) ->
             if matches(pattern, n):
                 styles[n] = style
     table = {}
-    for mname, mod in modules.items():
-        dims = split_dims(mname, mod, styles[mname]) if mname in styles else {}
-        for pname, p in mod.named_parameters(recurse=False):
-            shape = list(p.shape)
-            if pname in dims:
-                shape[dims[pname]] //= tp
-            table[f"{mname}.{pname}" if mname else pname] = (id(p), tuple(shape), isinstance(mod, Experts))
-    for name, p in model.named_parameters(remove_duplicate=False):   # the other names of tied ones
-        table.setdefault(name, next(v for k, v in table.items() if v[0] == id(p)))
+    for name, p in model.named_parameters(remove_duplicate=False):   # every name of a tied one
+        mname, _, pname = name.rpartition(".")
+        mod = modules[mname]
+        shape = list(p.shape)
+        d = split_dims(mname, mod, styles[mname]).get(pname) if mname in styles else None
+        if d is not None:
+            shape[d] //= tp
+        table[name] = (id(p), tuple(shape), isinstance(mod, Experts))
     return table
 
 
@@ -140,6 +139,14 @@ def _stage_shapes(spec_name: str, cfg, tp: int, sp: bool, loss_parallel: bool, p
     return [list(collections.Counter(h.values()).items()) for h in held]
 
 
+def _flat(c: dict[str, int], d: dict[str, int], axes: tuple[str, ...]) -> tuple[int, int]:
+    """(size, this rank's index) of a flattened sub-mesh, row-major as _flatten lays it out."""
+    size, index = 1, 0
+    for a in axes:
+        size, index = size * d[a], index * d[a] + c[a]
+    return size, index
+
+
 def state_bytes(spec, cfg, par: ParallelConfig, rank: int) -> dict[str, int]:
     """{params, grads, optim} bytes that `rank` holds under the layout `par` (explicit degrees)."""
     d = par.degrees()
@@ -147,13 +154,12 @@ def state_bytes(spec, cfg, par: ParallelConfig, rank: int) -> dict[str, int]:
     pp_stages = d["pp"] * par.pp_virtual
     shapes = _stage_shapes(spec.name, cfg, d["tp"], par.sp, par.loss_parallel, pp_stages)
     stages = stage_ids_of(c["pp"], d["pp"], par.pp_virtual, par.pp_schedule) if d["pp"] > 1 else [0]
-    n_dense = d["dp"] * d["cp"] * d["ep"]
+    n_dense, flat = _flat(c, d, SUBMESHES["dense_dp"])
     fsdp = n_dense > 1 or par.dtype != "fp32"
     zero = par.zero if n_dense > 1 else 1
     replicate = n_dense if zero == 0 else par.hsdp
-    flat = (c["dp"] * d["cp"] + c["cp"]) * d["ep"] + c["ep"]
     dense_shards, dense_index = n_dense // replicate, flat % (n_dense // replicate)
-    expert_shards, expert_index = d["dp"] * d["cp"], c["dp"] * d["cp"] + c["cp"]
+    expert_shards, expert_index = _flat(c, d, SUBMESHES["expert_dp"])
     numel = count = 0
     for s in stages:
         for (shape, expert), times in shapes[s]:
@@ -242,11 +248,10 @@ def predict(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: int,
     d = par.degrees()
     n = math.prod(d.values())
     key = tuple(getattr(par, f.name) for f in dataclasses.fields(par) if f.name not in ("recompute", "microbatches"))
-    if memo is None or key not in memo:   # micro-batching and recompute leave the state as it is
-        state = fullest_state(spec, cfg, par)
-        if memo is not None:
-            memo[key] = state
-    state = memo[key] if memo is not None else state
+    memo = {} if memo is None else memo
+    if key not in memo:   # micro-batching and recompute leave the state as it is
+        memo[key] = fullest_state(spec, cfg, par)
+    state = memo[key]
     layers = math.ceil(cfg.n_layers / d["pp"])
     in_flight = microbatches if par.pp_schedule == "gpipe" and d["pp"] > 1 else min(d["pp"], microbatches)
     acts = activation_bytes(cfg, par, micro_batch, seq_len, layers) * in_flight
@@ -343,7 +348,7 @@ def plan(model: str, seq_len: int, global_batch: int, gpus: int, gpus_per_node: 
     memo = {}
     preds = [predict(spec, cfg, par, mb, m, seq_len, hw, gpus_per_node, memo)
              for par, mb, m in layouts(spec, cfg, gpus, seq_len, global_batch, gpus_per_node)]
-    fit = sorted((p for p in preds if p.memory <= hw.memory_bytes), key=lambda p: (round(p.step_s, 4), p.memory))
+    fit = sorted((p for p in preds if p.memory <= hw.memory_bytes), key=lambda p: (p.step_s, p.memory))
     over = sorted((p for p in preds if p.memory > hw.memory_bytes), key=lambda p: p.memory)
     return fit, over
 

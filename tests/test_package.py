@@ -7,8 +7,6 @@ import shutil
 import subprocess
 import sys
 
-import pytest
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(ROOT, "meshtron")
 
@@ -84,8 +82,7 @@ def test_model_files_are_plain_pytorch():
 
 def test_ruff():
     ruff = shutil.which("ruff") or os.path.join(os.path.dirname(sys.executable), "ruff")
-    if not os.path.exists(ruff):
-        pytest.skip("ruff is not installed (pip install -e '.[test]' installs it)")
+    assert os.path.exists(ruff), "ruff is not installed (pip install -e '.[test]' installs it)"
     out = subprocess.run([ruff, "check", "meshtron", "tests", "recipes", "benchmarks"], cwd=ROOT, capture_output=True,
                          text=True)
     assert out.returncode == 0, out.stdout[-3000:]
