@@ -59,8 +59,8 @@ def _release_groups(keep: int = 24) -> None:
         return
     _MESHES.clear()
     for obj in gc.get_objects():
-        if isinstance(obj, functools._lru_cache_wrapper) and \
-                getattr(obj, "__module__", "").startswith("torch.distributed"):
+        # type(), not isinstance(): a dead weakref proxy among the objects raises on isinstance
+        if type(obj) is functools._lru_cache_wrapper and obj.__module__.startswith("torch.distributed"):
             obj.cache_clear()
     getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", lambda: None)()   # its C++ fast path's
     gc.collect()
