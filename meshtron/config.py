@@ -187,6 +187,11 @@ class Config:
             if os.environ.get("RANK", "0") == "0":
                 print(config.to_toml(), end="")
             sys.exit(0)
+        if args.dry_run is not None:
+            from meshtron.dry_run import dry_run
+            ranks = None if args.dry_run_ranks is None else [int(r) for r in args.dry_run_ranks.split(",")]
+            dry_run(config, args.dry_run, ranks)
+            sys.exit(0)
         return config
 
     def to_dict(self) -> dict:
@@ -285,6 +290,10 @@ def parser(description: str | None = None, models=None) -> argparse.ArgumentPars
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None, help="a TOML file with the sections below; flags override it")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as such a file and exit")
+    p.add_argument("--dry-run", type=int, default=None, metavar="N",
+                   help="build the layout as each rank of a world of N on this one process (fake process group, "
+                        "meta tensors), print each rank's parameter, gradient and optimizer bytes and exit")
+    p.add_argument("--dry-run-ranks", default=None, metavar="R,R,...", help="only these ranks of the dry run")
     for section, cls in SECTIONS.items():
         group = p.add_argument_group(section)
         docs = field_docs(cls)

@@ -115,6 +115,42 @@ def batch_layout(par, tr, degrees: dict[str, int]) -> tuple[int, int]:
     return m, tr.global_batch
 
 
+def resolve_layout(c: Config, world: int):
+    """(spec, model config, degrees, micro-batches, global batch) of a config on
+    `world` ranks, after every check of the layout against the model."""
+    par, tr = c.parallel, c.training
+    # compiled blocks take plain norms and activations: inductor fuses them itself, and
+    # the Triton custom ops are opaque to it and slower there (benchmarks/RESULTS.md)
+    fused = c.model.fused_kernels and not par.compile
+    if c.checkpoint.init_from_hf:
+        spec, mc = models.from_hf(c.checkpoint.init_from_hf)
+        mc = dataclasses.replace(mc, fused_kernels=fused)
+    else:
+        spec, preset = models.get(c.model.model)
+        mc = spec.configure(preset, dataclasses.replace(c.model, fused_kernels=fused))
+    degrees = resolve_degrees(world, **par.degrees())
+    spec.check_layout(mc, degrees, par, tr.seq_len)
+    microbatches, global_batch = batch_layout(par, tr, degrees)
+    if degrees["pp"] > 1:
+        check_pipeline(par.pp_schedule, degrees["pp"], par.pp_virtual, microbatches, mc.n_layers)
+    return spec, mc, degrees, microbatches, global_batch
+
+
+def build_model(spec, mc, mesh: DeviceMesh, par, microbatches: int) -> tuple[list[nn.Module], Pipeline | None]:
+    """The model on the meta device, cut into this rank's pipeline stages and
+    parallelized by its spec (TP, recompute, compile, FSDP); not yet materialized."""
+    with torch.device("meta"):
+        model = spec.model_cls(mc, seed=None)
+    pipeline = None
+    if degree(mesh, "pp") > 1:
+        stages = spec.pipeline_split(mc, degree(mesh, "pp") * par.pp_virtual)
+        pipeline = split_model(model, mesh, par.pp_schedule, par.pp_virtual, microbatches, stages)
+    parts = pipeline.parts if pipeline is not None else [model]
+    for m in parts:
+        spec.parallelize(m, mesh, par)
+    return parts, pipeline
+
+
 def init_process_group(timeout_s: float) -> None:
     """The default process group, with our own timeout (a lost peer fails the job,
     and torchrun --max-restarts restarts it). torchrun's agent keeps one store
@@ -147,19 +183,8 @@ class Trainer:
             c.validate(world_size())
             # compiled blocks take plain norms and activations: inductor fuses them itself, and
             # the Triton custom ops are opaque to it and slower there (benchmarks/RESULTS.md)
-            fused = c.model.fused_kernels and not par.compile
-            if c.checkpoint.init_from_hf:
-                self.spec, mc = models.from_hf(c.checkpoint.init_from_hf)
-                self.model_config = mc = dataclasses.replace(mc, fused_kernels=fused)
-            else:
-                self.spec, preset = models.get(c.model.model)
-                options = dataclasses.replace(c.model, fused_kernels=fused)
-                self.model_config = mc = self.spec.configure(preset, options)
-            degrees = resolve_degrees(world_size(), **par.degrees())
-            self.spec.check_layout(mc, degrees, par, tr.seq_len)
-            self.microbatches, self.global_batch = batch_layout(par, tr, degrees)
-            if degrees["pp"] > 1:
-                check_pipeline(par.pp_schedule, degrees["pp"], par.pp_virtual, self.microbatches, mc.n_layers)
+            self.spec, mc, degrees, self.microbatches, self.global_batch = resolve_layout(c, world_size())
+            self.model_config = mc
             tokens = open_data(c.data.data, mc.vocab_size, c.data.tokenizer)
             eval_tokens = open_data(c.data.eval_data, mc.vocab_size, c.data.tokenizer) if c.data.eval_data else None
             self.run_log = RunLog(self.rank, tr.metrics_file, tr.tensorboard, verbose)
@@ -216,16 +241,9 @@ class Trainer:
         return None
 
     def _build_model(self) -> tuple[list[nn.Module], Pipeline | None]:
-        par, mc = self.config.parallel, self.model_config
-        with torch.device("meta"):
-            model = self.spec.model_cls(mc, seed=None)
-        pipeline = None
-        if degree(self.mesh, "pp") > 1:
-            stages = self.spec.pipeline_split(mc, degree(self.mesh, "pp") * par.pp_virtual)
-            pipeline = split_model(model, self.mesh, par.pp_schedule, par.pp_virtual, self.microbatches, stages)
-        parts = pipeline.parts if pipeline is not None else [model]
+        parts, pipeline = build_model(self.spec, self.model_config, self.mesh, self.config.parallel,
+                                      self.microbatches)
         for m in parts:
-            self.spec.parallelize(m, self.mesh, par)
             materialize(m, self.device)
             m.init_weights(self.config.training.seed)   # drawn by parameter name: the same under any layout
         return parts, pipeline

@@ -2,6 +2,10 @@
 equal what each rank of a real run holds after a step, under every axis, and
 its enumeration and ranking run fast for 64 GPUs."""
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -11,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from meshtron import plan
 from meshtron.distributed.mesh import resolve_degrees
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--seq-len", "16", "--steps", "1", "--log-interval", "1", "--max-norm", "1.0"]
 
 
@@ -84,3 +89,48 @@ def test_the_command_prints_a_ranked_table(capsys):
     plan.main(["--model", "llama-1B", "--seq-len", "2048", "--global-batch", "32", "--gpus", "4", "--top", "3"])
     out = capsys.readouterr().out
     assert "layouts fit" in out and out.count("recipes/train.py --model llama-1B") == 3
+
+
+_DRY_RUN_EVERY_RANK = """
+import dataclasses, json, sys
+from meshtron import dry_run, plan
+from meshtron.config import Config
+from meshtron.models import PRESETS
+from meshtron.trainer import resolve_layout
+for world, argv in json.loads(sys.argv[1]):
+    c = Config.from_args(argv, models=PRESETS)
+    spec, mc, degrees, _, _ = resolve_layout(c, world)
+    par = dataclasses.replace(c.parallel, **degrees)
+    for rank in range(world):
+        built, predicted = dry_run.rank_state(c, world, rank), plan.state_bytes(spec, mc, par, rank)
+        assert built == predicted, (argv, rank, built, predicted)
+print("ok")
+"""
+
+
+def test_the_dry_run_builds_every_rank_of_each_tested_layout_as_the_planner_predicts():
+    # one process plays every rank of the layouts whose bytes test_predicted_state_bytes...
+    # measured for real, so the dry run is checked against real runs through the planner
+    layouts = [(w, a + ARGS) for w, group in LAYOUTS.items() for a in group]
+    out = subprocess.run([sys.executable, "-c", _DRY_RUN_EVERY_RANK, json.dumps(layouts)], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("argv,world,ranks", [
+    ("--model llama-8B --dp 8 --tp 8 --sp --zero 3 --seq-len 8192", 64, [0, 7, 8, 63]),
+    ("--model llama-moe-3B --ep 8 --zero 3 --seq-len 4096", 8, list(range(8))),
+], ids=["llama-8B dp8 tp8 on 64", "llama-moe-3B ep8"])
+def test_the_dry_run_command_prints_the_planners_bytes_for_large_layouts(argv, world, ranks):
+    cmd = [sys.executable, "recipes/train.py", *argv.split(), "--dry-run", str(world),
+           "--dry-run-ranks", ",".join(map(str, ranks))]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.split() and line.split()[0].isdigit()]
+    assert [int(r[0]) for r in rows] == ranks and all(r[-1] == "equal" for r in rows), out.stdout
+
+
+def test_the_dry_run_refuses_a_bad_layout_before_building_anything():
+    out = subprocess.run([sys.executable, "recipes/train.py", "--model", "llama-8B", "--tp", "3", "--dry-run", "64"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 1 and "does not divide the world size 64" in out.stderr and "rank" not in out.stdout
