@@ -2,6 +2,7 @@
 and every valid layout for a number of GPUs, ranked.
 
     python -m meshtron.plan --model llama-8B --seq-len 8192 --global-batch 64 --gpus 64 --gpus-per-node 8
+    python -m meshtron.plan calibrate --out h200.json      # then --gpu h200.json (meshtron.calibrate)
 
 It reads the trainer's own pieces: the config tree (a layout is a
 ParallelConfig and a micro-batch), the model spec (its TP plan, pipeline split,
@@ -37,6 +38,7 @@ import functools
 import itertools
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -62,19 +64,24 @@ class Hardware:
     memory_bytes: float        # usable device memory
     intra: tuple[float, float]  # (alpha s, bandwidth B/s) inside a node
     inter: tuple[float, float]  # across nodes
+    hbm_bandwidth: float = 4.8e12   # B/s (recorded by calibrate; the step model counts matmuls only)
 
 
-GPUS = {
-    "h200": Hardware("h200", 989e12, 0.70, 139 * GiB, (25e-6, 331e9), (30e-6, 45e9)),
-    "h100": Hardware("h100", 989e12, 0.65, 78 * GiB, (25e-6, 331e9), (30e-6, 45e9)),
-}
+def _read(path: str) -> Hardware:
+    with open(path) as f:   # a calibration file (meshtron.calibrate)
+        data = json.load(f)
+    fields = {f.name for f in dataclasses.fields(Hardware)}
+    return Hardware(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in fields})
+
+
+# measured by `calibrate` on one GPU of each kind (benchmarks/RESULTS.md); their
+# "measured" lists what was: the links keep nominal NVLink / InfiniBand figures
+_HERE = os.path.dirname(os.path.abspath(__file__))
+GPUS = {name: _read(os.path.join(_HERE, "calibration", f"{name}.json")) for name in ("h200", "h100")}
 
 
 def hardware(name: str) -> Hardware:
-    if name in GPUS:
-        return GPUS[name]
-    with open(name) as f:   # a calibration file
-        return Hardware(**{k: tuple(v) if isinstance(v, list) else v for k, v in json.load(f).items()})
+    return GPUS[name] if name in GPUS else _read(name)
 
 
 # ---- exact per-rank state bytes -------------------------------------------------------
@@ -354,6 +361,10 @@ def plan(model: str, seq_len: int, global_batch: int, gpus: int, gpus_per_node: 
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["calibrate"]:
+        from meshtron.calibrate import main as calibrate
+        return calibrate(argv[1:])
     p = argparse.ArgumentParser(prog="python -m meshtron.plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, choices=tuple(models.PRESETS))
     p.add_argument("--seq-len", type=int, required=True)

@@ -134,3 +134,37 @@ def test_the_dry_run_refuses_a_bad_layout_before_building_anything():
     out = subprocess.run([sys.executable, "recipes/train.py", "--model", "llama-8B", "--tp", "3", "--dry-run", "64"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 1 and "does not divide the world size 64" in out.stderr and "rank" not in out.stdout
+
+
+def test_the_alpha_beta_fit_recovers_a_known_link():
+    from meshtron.calibrate import fit_alpha_beta
+    n, alpha, bw = 4, 20e-6, 300e9
+    samples = [(kind, b, alpha * (n - 1) + f * b / bw) for b in (2 ** 16, 2 ** 20, 2 ** 24, 2 ** 28)
+               for kind, f in (("all_gather", (n - 1) / n), ("all_reduce", 2 * (n - 1) / n))]
+    got_alpha, got_bw = fit_alpha_beta(samples, n)
+    assert got_alpha == pytest.approx(alpha, rel=1e-6) and got_bw == pytest.approx(bw, rel=1e-6)
+
+
+def _link(rank, world):
+    from meshtron.calibrate import fit_alpha_beta, link_samples
+    samples = link_samples(torch.device("cpu"), [2 ** 14, 2 ** 20, 2 ** 23], repeats=3)
+    return samples, fit_alpha_beta(samples, world)
+
+
+def test_calibrate_times_the_links_collectives_the_same_on_every_rank(pools):
+    (samples, fit), (samples1, fit1) = pools.run(2, _link)
+    assert samples == samples1 and fit == fit1 and len(samples) == 6
+    assert fit[0] >= 0 and fit[1] > 0
+
+
+def test_calibrate_writes_a_file_the_planner_reads(tmp_path):
+    out = tmp_path / "cal.json"
+    run = subprocess.run([sys.executable, "-m", "meshtron.plan", "calibrate", "--model", "tiny", "--tokens", "128",
+                          "--out", str(out), "--quick"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    hw = plan.hardware(str(out))
+    data = json.loads(out.read_text())
+    assert 0 < hw.matmul_efficiency and hw.hbm_bandwidth > 0
+    assert data["measured"] == ["matmul_efficiency", "hbm_bandwidth"]   # one CPU process: no link, no HBM size
+    fit, _ = plan.plan("tiny", seq_len=64, global_batch=8, gpus=2, gpu=str(out))
+    assert fit

@@ -1,0 +1,164 @@
+"""Measure the figures the planner's step-time model needs, on the machine it runs on.
+
+    python -m meshtron.plan calibrate --model llama-8B --out h200.json             # one GPU
+    torchrun --nproc-per-node 8 -m meshtron.plan calibrate --model llama-8B --out h200.json   # and its links
+
+- matmul efficiency: the model's own GEMMs (QKV, attention output, the MLP's,
+  the output head) at its hidden sizes and a training micro-batch of tokens,
+  forward shapes and both backward ones, bf16 on GPU; FLOP-weighted achieved
+  throughput over the GPU's dense bf16 peak (a datasheet figure: MFU is quoted
+  against it);
+- HBM bandwidth: a large device-to-device copy (read + write);
+- usable memory: what the device reports as its total;
+- intra-node link: with more than one rank, all-gather and all-reduce over all
+  of them from 64 KiB to 256 MiB, and a least-squares fit of
+  t = alpha * (n-1) + factor * bytes / bandwidth, the planner's alpha-beta model.
+
+What a run cannot measure (the inter-node link on one node; the intra-node link
+on one GPU) keeps the built-in figure, and the file's "measured" lists what was.
+The file is what `python -m meshtron.plan --gpu FILE` reads.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from meshtron import models
+
+# dense bf16 tensor-core peak by device name (datasheets, SXM parts)
+PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+
+
+def _peak(device: torch.device) -> tuple[str, float]:
+    if device.type != "cuda":
+        return "cpu", 1e12   # a nominal peak: CPU figures only exercise the code path
+    name = torch.cuda.get_device_name(device)
+    for key, peak in PEAKS.items():
+        if key in name:
+            return key.lower(), peak
+    raise ValueError(f"no datasheet bf16 peak for {name!r}: add it to meshtron.calibrate.PEAKS")
+
+
+def _time(fn, device: torch.device, repeats: int) -> float:
+    """Median seconds of fn() over `repeats` runs, after two warm-up runs."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def model_gemms(cfg, tokens: int) -> list[tuple[int, int, int]]:
+    """(m, k, n) of one layer's matmuls and the output head, forward and the two
+    backward products (dX = dY W^T, dW = X^T dY) of each."""
+    head_dim = cfg.dim // cfg.n_heads
+    kv = getattr(cfg, "n_kv_heads", cfg.n_heads) * head_dim
+    swiglu = hasattr(cfg, "ffn_dim")
+    hidden = cfg.ffn_dim if swiglu else cfg.ffn_mult * cfg.dim
+    forward = [(tokens, cfg.dim, cfg.dim + 2 * kv), (tokens, cfg.dim, cfg.dim),
+               (tokens, cfg.dim, (2 if swiglu else 1) * hidden), (tokens, hidden, cfg.dim),
+               (tokens, cfg.dim, cfg.vocab_size)]
+    return [s for m, k, n in forward for s in ((m, k, n), (m, n, k), (k, m, n))]
+
+
+def matmul_efficiency(cfg, device: torch.device, tokens: int, peak: float, repeats: int = 10) -> float:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    flops = seconds = 0.0
+    for m, k, n in model_gemms(cfg, tokens):
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        seconds += _time(lambda a=a, b=b: a @ b, device, repeats)
+        flops += 2 * m * k * n
+    return flops / seconds / peak
+
+
+def hbm_bandwidth(device: torch.device, nbytes: int = 2 ** 30, repeats: int = 10) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _time(lambda: dst.copy_(src), device, repeats)   # read + write
+
+
+def fit_alpha_beta(samples: list[tuple[str, int, float]], n: int) -> tuple[float, float]:
+    """Least squares of t = alpha * (n-1) + factor * bytes / bw over (kind, bytes, seconds)."""
+    factor = {"all_gather": (n - 1) / n, "all_reduce": 2 * (n - 1) / n}
+    xs = [factor[k] * b for k, b, _ in samples]
+    ts = [t for _, _, t in samples]
+    mx, mt = statistics.fmean(xs), statistics.fmean(ts)
+    slope = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / sum((x - mx) ** 2 for x in xs)
+    if slope <= 0:
+        raise ValueError("the collective times do not grow with the bytes: the link was busy; calibrate again")
+    alpha = max(mt - slope * mx, 0.0) / (n - 1)
+    return alpha, 1 / slope
+
+
+def link_samples(device: torch.device, sizes: list[int], repeats: int = 10) -> list[tuple[str, int, float]]:
+    """(kind, bytes of the full tensor, median seconds) over the default group;
+    the slowest rank's time for each, so every rank returns the same samples."""
+    n = dist.get_world_size()
+    out = []
+    for nbytes in sizes:
+        full = torch.empty(nbytes // 4, device=device)
+        shard = torch.empty(nbytes // 4 // n, device=device)
+        for kind, fn in (("all_gather", lambda f=full, s=shard: dist.all_gather_into_tensor(f, s)),
+                         ("all_reduce", lambda f=full: dist.all_reduce(f))):
+            t = torch.tensor(_time(fn, device, repeats), device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            out.append((kind, nbytes, float(t)))
+    return out
+
+
+def calibrate(model: str, tokens: int, device: torch.device, quick: bool = False) -> dict:
+    from meshtron.plan import GPUS
+    name, peak = _peak(device)
+    base = GPUS.get(name, GPUS["h200"])
+    cfg = models.get(model)[1]
+    repeats = 2 if quick else 10
+    out = dataclasses.asdict(base) | {"name": name, "peak_flops": peak}
+    out["matmul_efficiency"] = matmul_efficiency(cfg, device, tokens, peak, repeats)
+    out["hbm_bandwidth"] = hbm_bandwidth(device, 2 ** 20 if quick else 2 ** 30, repeats)
+    measured = ["matmul_efficiency", "hbm_bandwidth"]
+    if device.type == "cuda":
+        out["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
+        measured.append("memory_bytes")
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        sizes = [2 ** k for k in range(16, 22 if quick else 29, 2)]
+        out["intra"] = fit_alpha_beta(link_samples(device, sizes, repeats), dist.get_world_size())
+        measured.append(f"intra ({dist.get_world_size()} ranks)")
+    out["measured"] = measured
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m meshtron.plan calibrate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-8B", choices=tuple(models.PRESETS), help="whose GEMM shapes to time")
+    p.add_argument("--tokens", type=int, default=8192, help="tokens per micro-batch (the GEMMs' m)")
+    p.add_argument("--out", required=True, help="the JSON file to write (rank 0)")
+    p.add_argument("--quick", action="store_true", help="small sizes and few repeats (tests)")
+    a = p.parse_args(argv)
+    if "RANK" in os.environ and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    result = calibrate(a.model, a.tokens, device, a.quick)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(json.dumps(result))
+    if dist.is_initialized():
+        dist.destroy_process_group()
