@@ -39,9 +39,12 @@ def _selective_policy(ctx, op, *args, **kwargs):
 
 def _recomputed(cls: type, context_fn) -> type:
     """A subclass of cls whose forward keeps only its inputs and recomputes in backward."""
+    # torch.compile (2.11-2.13) fails on any context_fn argument it has not yet looked
+    # at, even noop_context_fn: full recompute passes none
+    options = {} if context_fn is noop_context_fn else {"context_fn": context_fn}
+
     def forward(self, *args, **kwargs):
-        return checkpoint(cls.forward, self, *args, use_reentrant=False, preserve_rng_state=True,
-                          context_fn=context_fn, **kwargs)
+        return checkpoint(cls.forward, self, *args, use_reentrant=False, preserve_rng_state=True, **options, **kwargs)
     return type(f"Recomputed{cls.__name__}", (cls,), {"forward": forward})
 
 
