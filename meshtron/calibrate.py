@@ -8,6 +8,8 @@
   forward shapes and both backward ones, bf16 on GPU; FLOP-weighted achieved
   throughput over the GPU's dense bf16 peak (a datasheet figure: MFU is quoted
   against it);
+- attention efficiency: causal SDPA (flash on GPU) forward and backward at the
+  model's heads and --seq-len, over the same peak;
 - HBM bandwidth: a large device-to-device copy (read + write);
 - usable memory: what the device reports as its total;
 - intra-node link: with more than one rank, all-gather and all-reduce over all
@@ -86,6 +88,23 @@ def matmul_efficiency(cfg, device: torch.device, tokens: int, peak: float, repea
     return flops / seconds / peak
 
 
+def attention_efficiency(cfg, device: torch.device, tokens: int, seq_len: int, peak: float,
+                         repeats: int = 10) -> float:
+    """Causal SDPA forward and backward at the model's heads over `seq_len`, against
+    6*b*s^2*d FLOPs (forward 2*b*s^2*d with the causal half skipped, backward twice
+    that), as the planner counts it."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    b, hd = max(1, tokens // seq_len), cfg.dim // cfg.n_heads
+    q, k, v = (torch.randn(b, cfg.n_heads, seq_len, hd, device=device, dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    grad = torch.randn(b, cfg.n_heads, seq_len, hd, device=device, dtype=dtype)
+
+    def step():
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.autograd.grad(out, (q, k, v), grad)
+    return 6 * b * seq_len ** 2 * cfg.dim / _time(step, device, repeats) / peak
+
+
 def hbm_bandwidth(device: torch.device, nbytes: int = 2 ** 30, repeats: int = 10) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -121,7 +140,7 @@ def link_samples(device: torch.device, sizes: list[int], repeats: int = 10) -> l
     return out
 
 
-def calibrate(model: str, tokens: int, device: torch.device, quick: bool = False) -> dict:
+def calibrate(model: str, tokens: int, seq_len: int, device: torch.device, quick: bool = False) -> dict:
     from meshtron.plan import GPUS
     name, peak = _peak(device)
     base = GPUS.get(name, GPUS["h200"])
@@ -129,8 +148,9 @@ def calibrate(model: str, tokens: int, device: torch.device, quick: bool = False
     repeats = 2 if quick else 10
     out = dataclasses.asdict(base) | {"name": name, "peak_flops": peak}
     out["matmul_efficiency"] = matmul_efficiency(cfg, device, tokens, peak, repeats)
+    out["attention_efficiency"] = attention_efficiency(cfg, device, tokens, seq_len, peak, repeats)
     out["hbm_bandwidth"] = hbm_bandwidth(device, 2 ** 20 if quick else 2 ** 30, repeats)
-    measured = ["matmul_efficiency", "hbm_bandwidth"]
+    measured = ["matmul_efficiency", "attention_efficiency", "hbm_bandwidth"]
     if device.type == "cuda":
         out["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
         measured.append("memory_bytes")
@@ -146,6 +166,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m meshtron.plan calibrate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-8B", choices=tuple(models.PRESETS), help="whose GEMM shapes to time")
     p.add_argument("--tokens", type=int, default=8192, help="tokens per micro-batch (the GEMMs' m)")
+    p.add_argument("--seq-len", type=int, default=2048, help="the attention's sequence length")
     p.add_argument("--out", required=True, help="the JSON file to write (rank 0)")
     p.add_argument("--quick", action="store_true", help="small sizes and few repeats (tests)")
     a = p.parse_args(argv)
@@ -155,7 +176,7 @@ def main(argv=None) -> None:
         else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    result = calibrate(a.model, a.tokens, device, a.quick)
+    result = calibrate(a.model, a.tokens, a.seq_len, device, a.quick)
     if not dist.is_initialized() or dist.get_rank() == 0:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -64,7 +64,8 @@ class Hardware:
     memory_bytes: float        # usable device memory
     intra: tuple[float, float]  # (alpha s, bandwidth B/s) inside a node
     inter: tuple[float, float]  # across nodes
-    hbm_bandwidth: float = 4.8e12   # B/s (recorded by calibrate; the step model counts matmuls only)
+    hbm_bandwidth: float = 4.8e12   # B/s: what the memory-bound ops move
+    attention_efficiency: float = 0.5   # causal flash attention, forward and backward, achieved / peak
 
 
 def _read(path: str) -> Hardware:
@@ -234,18 +235,56 @@ def collective_s(kind: str, nbytes: float, n: int, link: tuple[float, float]) ->
     return alpha * (n - 1 if kind != "p2p" else 1) + nbytes * factor / bw
 
 
+def _layer_elements(cfg) -> tuple[float, float]:
+    """Elements per token one layer saves for backward with flash attention and no
+    dropout: (replicated under TP without SP, split by TP). Replicated: the inputs
+    of the two norms and of the two column-parallel matmuls. Split: Q, K, V (K and
+    V at the kv heads' width), the output projection's input and the MLP's: the
+    activation's input and output (GeLU), or gate, up and their product (SwiGLU);
+    a mixture of experts runs top_k experts (and its shared ones) per token."""
+    h = cfg.dim
+    kv = getattr(cfg, "n_kv_heads", cfg.n_heads) * (h // cfg.n_heads)
+    moe = getattr(cfg, "moe", None)
+    swiglu = moe.activation == "swiglu" if moe else hasattr(cfg, "ffn_dim")
+    width = (moe.top_k + moe.n_shared) * moe.hidden if moe else (cfg.ffn_dim if swiglu else cfg.ffn_mult * h)
+    return 4 * h, 2 * h + 2 * kv + (3 if swiglu else 2) * width
+
+
 def activation_bytes(cfg, par: ParallelConfig, micro_batch: int, seq_len: int, layers: int) -> float:
-    """One micro-batch's saved activations over `layers` layers on one rank (bf16)."""
+    """One micro-batch's saved activations over `layers` layers on one rank (bf16),
+    and the fp32 log-probabilities cross-entropy keeps for its backward."""
     d = par.degrees()
-    s, b, h, t = seq_len / d["cp"], micro_batch, cfg.dim, d["tp"]
-    if par.recompute == "full":
-        per_layer = 2 * s * b * h / (t if par.sp else 1)
-    elif par.recompute == "selective":
-        per_layer = s * b * h * (20 / t if par.sp else 2 + 18 / t)
+    tokens, h, t = micro_batch * seq_len / d["cp"], cfg.dim, d["tp"]
+    replicated, split = _layer_elements(cfg)
+    full = 2 * tokens * (replicated / (t if par.sp else 1) + split / t)
+    if par.recompute == "full":   # each layer's input, and one layer's activations while it is recomputed
+        held = 2 * tokens * h / (t if par.sp else 1) * layers + full
+    elif par.recompute == "selective":   # Korthikanti et al.: the matmul outputs stay, the rest is recomputed
+        held = tokens * h * (20 / t if par.sp else 2 + 18 / t) * layers
     else:
-        per_layer = s * b * h * (34 / t if par.sp else 10 + 24 / t)
-    logits = 2 * 4 * s * b * cfg.vocab_size / t    # fp32 logits and their gradient, on the last stage
-    return per_layer * layers + logits / max(1, d["pp"])
+        held = full * layers
+    logits = 4 * tokens * cfg.vocab_size / t
+    return held + logits / max(1, d["pp"])
+
+
+def compute_s(cfg, par: ParallelConfig, tokens: int, seq_len: int, hw: Hardware, layers: int) -> float:
+    """One rank's compute time for `tokens` tokens of its data-parallel share: the
+    matmuls at the calibrated matmul efficiency, causal attention (half of the
+    12*L*d*T that flops_per_token counts) at the calibrated attention efficiency,
+    and the memory-bound rest at the HBM bandwidth: each saved activation written in
+    forward, read in backward, its gradient written once (3x the saved bytes), and
+    AdamW's pass over this rank's fp32 state (28 bytes per parameter)."""
+    d = par.degrees()
+    shard = d["cp"] * d["tp"] * d["pp"]
+    attention = 12 * cfg.n_layers * cfg.dim * seq_len * tokens / shard
+    matmul = cfg.flops_per_token(seq_len) * tokens / shard - attention
+    if par.recompute == "full":
+        matmul, attention = matmul * 4 / 3, attention * 4 / 3
+    replicated, split = _layer_elements(cfg)
+    elementwise = 3 * 2 * tokens / d["cp"] * (replicated / (d["tp"] if par.sp else 1) + split / d["tp"]) * layers
+    optimizer = 28 * cfg.num_params() / math.prod(d.values())
+    return (matmul / (hw.peak_flops * hw.matmul_efficiency) + attention / 2 / (hw.peak_flops * hw.attention_efficiency)
+            + (elementwise + optimizer) / hw.hbm_bandwidth)
 
 
 def predict(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: int, seq_len: int, hw: Hardware,
@@ -267,10 +306,7 @@ def predict(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: int,
     memory = state + acts + gathered
 
     tokens = micro_batch * microbatches * seq_len          # per data-parallel rank and step
-    flops = cfg.flops_per_token(seq_len) * tokens / (d["cp"] * d["tp"] * d["pp"])
-    if par.recompute == "full":
-        flops *= 4 / 3
-    compute = flops / (hw.peak_flops * hw.matmul_efficiency)
+    compute = compute_s(cfg, par, tokens, seq_len, hw, layers)
     act_bytes = 2 * micro_batch * seq_len / d["cp"] * cfg.dim   # one bf16 activation of a micro-batch
     tp_link = _link("tp", d, gpus_per_node, hw)
     if par.sp:

@@ -160,11 +160,12 @@ def test_calibrate_times_the_links_collectives_the_same_on_every_rank(pools):
 def test_calibrate_writes_a_file_the_planner_reads(tmp_path):
     out = tmp_path / "cal.json"
     run = subprocess.run([sys.executable, "-m", "meshtron.plan", "calibrate", "--model", "tiny", "--tokens", "128",
-                          "--out", str(out), "--quick"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+                          "--seq-len", "64", "--out", str(out), "--quick"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     hw = plan.hardware(str(out))
     data = json.loads(out.read_text())
-    assert 0 < hw.matmul_efficiency and hw.hbm_bandwidth > 0
-    assert data["measured"] == ["matmul_efficiency", "hbm_bandwidth"]   # one CPU process: no link, no HBM size
+    assert 0 < hw.matmul_efficiency and 0 < hw.attention_efficiency and hw.hbm_bandwidth > 0
+    assert data["measured"] == ["matmul_efficiency", "attention_efficiency", "hbm_bandwidth"]   # no link on one CPU
     fit, _ = plan.plan("tiny", seq_len=64, global_batch=8, gpus=2, gpu=str(out))
     assert fit

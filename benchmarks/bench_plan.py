@@ -1,0 +1,123 @@
+"""The planner's predictions (meshtron.plan.predict) against measured runs of the
+same layouts: peak memory (torch.cuda.max_memory_allocated, the largest over
+ranks) and step time (bench_train's median), per layout and as a mean absolute
+percentage error.
+
+    torchrun --nproc-per-node 1 benchmarks/bench_plan.py --suite 1gpu --out $OUT
+    python benchmarks/bench_plan.py --summarize $OUT/plan.jsonl
+
+A suite is a list of recipe flag sets for one world size; each is timed by
+bench_train.measure exactly as bench_train times a layout (bf16, eager unless
+the flags say --compile), and predicted with the calibration file of the GPU it
+ran on (--gpu, default: h200 or h100 by the device's name).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import bench_train  # noqa: E402
+
+from meshtron import Config, models, plan  # noqa: E402
+from meshtron.distributed.mesh import resolve_degrees  # noqa: E402
+from meshtron.trainer import batch_layout, init_process_group  # noqa: E402
+
+GB16 = ["--seq-len", "2048", "--global-batch", "16"]
+SUITES = {   # world size, [recipe flags]
+    "1gpu": (1, [[*GB16, "--model", m, "--micro-batch", mb, *extra]
+                 for m in ("1.3B", "llama-1B")
+                 for mb, extra in (("1", []), ("2", []), ("4", []), ("8", []),
+                                   ("4", ["--recompute", "selective"]), ("4", ["--recompute", "full"]),
+                                   ("8", ["--recompute", "full"]))]),
+    "1gpu_compile": (1, [[*GB16, "--model", m, "--micro-batch", mb, "--compile", *extra]
+                         for m in ("1.3B", "llama-1B")
+                         for mb, extra in (("2", []), ("4", []), ("8", []), ("4", ["--recompute", "full"]))]),
+    "4gpu": (4, [[*GB16, "--model", m, *flags] for m in ("1.3B", "llama-1B") for flags in (
+        ["--dp", "4", "--micro-batch", "2"], ["--dp", "4", "--zero", "3", "--micro-batch", "4"],
+        ["--dp", "2", "--tp", "2", "--sp", "--micro-batch", "4"], ["--tp", "4", "--sp", "--micro-batch", "4"],
+        ["--pp", "4", "--micro-batch", "2"], ["--dp", "2", "--pp", "2", "--micro-batch", "2"],
+        ["--pp", "2", "--tp", "2", "--sp", "--micro-batch", "2"], ["--dp", "2", "--cp", "2", "--micro-batch", "4"],
+        ["--dp", "4", "--micro-batch", "4", "--recompute", "full"])]),
+}
+
+
+def predicted(flags: list[str], world: int, gpu: str) -> plan.Prediction:
+    config = Config.from_args(["--dtype", "bf16", *flags], models=models.PRESETS)
+    spec, preset = models.get(config.model.model)
+    cfg = spec.configure(preset, config.model)
+    degrees = resolve_degrees(world, **config.parallel.degrees())
+    microbatches, _ = batch_layout(config.parallel, config.training, degrees)
+    par = dataclasses.replace(config.parallel, **degrees, microbatches=microbatches)
+    return plan.predict(spec, cfg, par, config.training.micro_batch, microbatches, config.training.seq_len,
+                        plan.hardware(gpu), gpus_per_node=8)
+
+
+def summarize(path: str) -> None:
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    ok = [r for r in rows if "error" not in r]
+    print("| flags | measured step ms | predicted | error | measured peak GiB | predicted | error |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['flags']} | {r['error'][:80]} | | | | | |")
+            continue
+        print(f"| {r['flags']} | {r['step_ms']:.1f} | {r['predicted_step_ms']:.1f} | {r['step_error']:+.1%} | "
+              f"{r['peak_mem_gib']:.2f} | {r['predicted_mem_gib']:.2f} | {r['mem_error']:+.1%} |")
+    if ok:
+        print(f"mean absolute error: step time {statistics.fmean(abs(r['step_error']) for r in ok):.1%}, "
+              f"peak memory {statistics.fmean(abs(r['mem_error']) for r in ok):.1%} over {len(ok)} layouts")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", default="1gpu", choices=tuple(SUITES))
+    p.add_argument("--gpu", default=None, help="calibration: h200, h100 or a file (default: by device name)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", default=".")
+    p.add_argument("--summarize", default=None)
+    args = p.parse_args()
+    if args.summarize:
+        summarize(args.summarize)
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29534")
+    init_process_group(600)
+    world, suite = SUITES[args.suite]
+    if dist.get_world_size() != world:
+        raise SystemExit(f"suite {args.suite} runs on {world} ranks, not {dist.get_world_size()}")
+    gpu = args.gpu or ("h100" if "H100" in torch.cuda.get_device_name() else "h200")
+    bench_train.LAYOUTS["plan"] = (world, [])
+    args.sdpa, args.experiment, args.profile_steps = "default", "", 0
+    os.makedirs(args.out, exist_ok=True)
+    for flags in suite:
+        try:
+            r = bench_train.measure("plan", flags, args)
+            pr = predicted(flags, world, gpu)
+            gib = 2 ** 30
+            r.update(predicted_step_ms=pr.step_s * 1e3, predicted_mem_gib=pr.memory / gib, gpu_file=gpu,
+                     step_error=pr.step_s * 1e3 / r["step_ms"] - 1, mem_error=pr.memory / gib / r["peak_mem_gib"] - 1,
+                     predicted_state_gib=pr.state / gib, predicted_acts_gib=pr.activations / gib)
+        except Exception as e:  # noqa: BLE001 - record and go on
+            r = dict(flags=" ".join(flags), error=f"{type(e).__name__}: {e}")
+        if dist.get_rank() == 0:
+            print(json.dumps(r), flush=True)
+            with open(os.path.join(args.out, "plan.jsonl"), "a") as f:
+                f.write(json.dumps(r) + "\n")
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
