@@ -111,11 +111,8 @@ def main():
                      predicted_state_gib=pr.state / gib, predicted_acts_gib=pr.activations / gib)
         except Exception as e:  # noqa: BLE001 - record and go on
             r = dict(flags=" ".join(flags), error=f"{type(e).__name__}: {e}")
-        if dist.get_rank() == 0:
-            print(json.dumps(r), flush=True)
-            with open(os.path.join(args.out, "plan.jsonl"), "a") as f:
-                f.write(json.dumps(r) + "\n")
-        dist.barrier()
+            bench_train.forget()
+        bench_train.record(r, os.path.join(args.out, "plan.jsonl"))
     dist.destroy_process_group()
 
 

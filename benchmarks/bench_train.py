@@ -210,6 +210,21 @@ def summarize(path: str, peer_path: str | None) -> None:
               f"| {ratio} |")
 
 
+def forget() -> None:
+    """Drop what a failed measurement left behind (its graphs, its tensors)."""
+    gc.collect()
+    torch._dynamo.reset()
+
+
+def record(result: dict, path: str) -> None:
+    """Print one result and append it to a .jsonl file (rank 0), then wait for every rank."""
+    if dist.get_rank() == 0:
+        print(json.dumps(result), flush=True)
+        with open(path, "a") as f:
+            f.write(json.dumps(result) + "\n")
+    dist.barrier()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layouts", default="1gpu", help="comma list of LAYOUTS names (each also with _compile)")
@@ -241,13 +256,8 @@ def main():
             result = measure(name, recipe_flags, args)
         except Exception as e:  # noqa: BLE001 - record and go on with the next layout
             result = dict(layout=name, world=world, error=f"{type(e).__name__}: {e}")
-            gc.collect()
-            torch._dynamo.reset()
-        if dist.get_rank() == 0:
-            print(json.dumps(result), flush=True)
-            with open(os.path.join(args.out, "results.jsonl"), "a") as f:
-                f.write(json.dumps(result) + "\n")
-        dist.barrier()
+            forget()
+        record(result, os.path.join(args.out, "results.jsonl"))
     dist.destroy_process_group()
 
 
