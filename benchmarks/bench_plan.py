@@ -30,7 +30,8 @@ import bench_train  # noqa: E402
 
 from meshtron import Config, models, plan  # noqa: E402
 from meshtron.distributed.mesh import resolve_degrees  # noqa: E402
-from meshtron.trainer import batch_layout, init_process_group  # noqa: E402
+from meshtron.layout import batch_layout  # noqa: E402
+from meshtron.trainer import init_process_group  # noqa: E402
 
 GB16 = ["--seq-len", "2048", "--global-batch", "16"]
 SUITES = {   # world size, [recipe flags]

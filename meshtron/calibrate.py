@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron import models
+from meshtron.hardware import GPUS
 
 # dense bf16 tensor-core peak by device name (datasheets, SXM parts)
 PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
@@ -141,7 +142,6 @@ def link_samples(device: torch.device, sizes: list[int], repeats: int = 10) -> l
 
 
 def calibrate(model: str, tokens: int, seq_len: int, device: torch.device, quick: bool = False) -> dict:
-    from meshtron.plan import GPUS
     name, peak = _peak(device)
     base = GPUS.get(name, GPUS["h200"])
     cfg = models.get(model)[1]

@@ -176,6 +176,12 @@ class Config:
     def from_args(argv=None, description: str | None = None, models=None) -> Config:
         """The command line over an optional --config file over the defaults.
         `models`: the preset names --model accepts (meshtron.models.PRESETS)."""
+        return Config.parse(argv, description, models)[0]
+
+    @staticmethod
+    def parse(argv=None, description: str | None = None, models=None) -> tuple[Config, argparse.Namespace]:
+        """from_args, and the parsed flags too: the ones that are actions rather than
+        settings (--dry-run) are the caller's to act on. --print-config prints and exits."""
         p = parser(description, models)
         first, _ = p.parse_known_args(argv)
         if first.config:
@@ -187,12 +193,7 @@ class Config:
             if os.environ.get("RANK", "0") == "0":
                 print(config.to_toml(), end="")
             sys.exit(0)
-        if args.dry_run is not None:
-            from meshtron.dry_run import dry_run
-            ranks = None if args.dry_run_ranks is None else [int(r) for r in args.dry_run_ranks.split(",")]
-            dry_run(config, args.dry_run, ranks)
-            sys.exit(0)
-        return config
+        return config, args
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -292,8 +293,10 @@ def parser(description: str | None = None, models=None) -> argparse.ArgumentPars
     p.add_argument("--print-config", action="store_true", help="print the resolved config as such a file and exit")
     p.add_argument("--dry-run", type=int, default=None, metavar="N",
                    help="build the layout as each rank of a world of N on this one process (fake process group, "
-                        "meta tensors), print each rank's parameter, gradient and optimizer bytes and exit")
-    p.add_argument("--dry-run-ranks", default=None, metavar="R,R,...", help="only these ranks of the dry run")
+                        "meta tensors), print each rank's parameter, gradient and optimizer bytes and exit "
+                        "(default: off)")
+    p.add_argument("--dry-run-ranks", default=None, metavar="R,R,...",
+                   help="only these ranks of the dry run (default: all)")
     for section, cls in SECTIONS.items():
         group = p.add_argument_group(section)
         docs = field_docs(cls)

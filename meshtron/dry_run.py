@@ -20,6 +20,10 @@ import sys
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from meshtron import plan
+from meshtron.distributed.mesh import init_mesh
+from meshtron.layout import build_model, resolve_layout
+
 GiB = 2 ** 30
 
 
@@ -32,8 +36,6 @@ def rank_state(config, world: int, rank: int) -> dict[str, int]:
     """{params, grads, optim} bytes that `rank` of `world` holds under `config`."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-    from meshtron.distributed.mesh import init_mesh
-    from meshtron.trainer import build_model, resolve_layout
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         spec, mc, degrees, microbatches, _ = resolve_layout(config, world)
@@ -49,8 +51,6 @@ def rank_state(config, world: int, rank: int) -> dict[str, int]:
 def dry_run(config, world: int, ranks: list[int] | None = None, out=sys.stdout) -> list[dict[str, int]]:
     """Build `config`'s layout as each of `ranks` (all of them by default) of a
     world of `world`, print its bytes against the planner's, and return them."""
-    from meshtron import plan
-    from meshtron.trainer import resolve_layout
     if dist.is_initialized():
         raise RuntimeError("--dry-run runs on one process, outside torchrun")
     config.validate(world)    # a bad layout stops here, as it would on the cluster

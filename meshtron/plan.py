@@ -36,9 +36,7 @@ import collections
 import dataclasses
 import functools
 import itertools
-import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -50,39 +48,10 @@ from meshtron.config import ParallelConfig
 from meshtron.distributed.mesh import AXES, SUBMESHES
 from meshtron.distributed.pipeline_parallel import bubble_fraction, check_pipeline, stage_ids_of
 from meshtron.distributed.tensor_parallel import matches, split_dims
+from meshtron.hardware import GPUS, Hardware, hardware
 from meshtron.models.common.moe import Experts
 
 GiB = 2 ** 30
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """What the step-time model needs of a GPU and its links (`calibrate` measures it)."""
-    name: str
-    peak_flops: float          # dense bf16 FLOP/s (what MFU is quoted against)
-    matmul_efficiency: float   # achieved / peak at training shapes
-    memory_bytes: float        # usable device memory
-    intra: tuple[float, float]  # (alpha s, bandwidth B/s) inside a node
-    inter: tuple[float, float]  # across nodes
-    hbm_bandwidth: float = 4.8e12   # B/s: what the memory-bound ops move
-    attention_efficiency: float = 0.5   # causal flash attention, forward and backward, achieved / peak
-
-
-def _read(path: str) -> Hardware:
-    with open(path) as f:   # a calibration file (meshtron.calibrate)
-        data = json.load(f)
-    fields = {f.name for f in dataclasses.fields(Hardware)}
-    return Hardware(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in fields})
-
-
-# measured by `calibrate` on one GPU of each kind (benchmarks/RESULTS.md); their
-# "measured" lists what was: the links keep nominal NVLink / InfiniBand figures
-_HERE = os.path.dirname(os.path.abspath(__file__))
-GPUS = {name: _read(os.path.join(_HERE, "calibration", f"{name}.json")) for name in ("h200", "h100")}
-
-
-def hardware(name: str) -> Hardware:
-    return GPUS[name] if name in GPUS else _read(name)
 
 
 # ---- exact per-rank state bytes -------------------------------------------------------

@@ -26,7 +26,6 @@ rank 1 at step N on a torchrun job's first attempt (fault-recovery tests).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import json
 import math
@@ -46,11 +45,13 @@ from meshtron.data import BatchLoader, open_data
 from meshtron.distributed.agree import agree
 from meshtron.distributed.context_parallel import shard_sequence
 from meshtron.distributed.data_parallel import reshard, set_grad_sync
-from meshtron.distributed.mesh import batch_slice, degree, init_mesh, resolve_degrees, world_size
-from meshtron.distributed.pipeline_parallel import Pipeline, check_pipeline, split_model
+from meshtron.distributed.mesh import batch_slice, degree, init_mesh, world_size
+from meshtron.distributed.pipeline_parallel import Pipeline
 from meshtron.distributed.reduce import clip_grad_norm_, sum_over
 from meshtron.distributed.tensor_parallel import loss_context
 from meshtron.distributed.tied import materialize
+from meshtron.dry_run import dry_run
+from meshtron.layout import build_model, resolve_layout
 from meshtron.loss import IGNORE_INDEX, cross_entropy_sum, logits_of, loss_function
 from meshtron.metrics import RunLog, Throughput, peak_memory_gib
 from meshtron.models.common.moe import end_step, moe_blocks
@@ -96,61 +97,6 @@ def forward_backward(parts: list[nn.Module], x: torch.Tensor, y: torch.Tensor, m
     return sum_over(total, mesh, "loss") / n_dp
 
 
-def batch_layout(par, tr, degrees: dict[str, int]) -> tuple[int, int]:
-    """(micro-batches per step, global batch) from --micro-batch, --microbatches and
-    --global-batch: each data-parallel rank (dp x ep) runs the micro-batches of its
-    slice; a pipeline takes pp micro-batches unless told otherwise."""
-    ranks = degrees["dp"] * degrees["ep"]
-    per_step = tr.micro_batch * ranks
-    if tr.global_batch is None:
-        m = par.microbatches or (degrees["pp"] if degrees["pp"] > 1 else 1)
-        return m, per_step * m
-    if tr.global_batch % per_step:
-        raise ConfigError(f"--global-batch {tr.global_batch} must be a multiple of --micro-batch {tr.micro_batch} "
-                          f"x {ranks} data-parallel ranks (dp x ep)")
-    m = tr.global_batch // per_step
-    if par.microbatches is not None and par.microbatches != m:
-        raise ConfigError(f"--global-batch {tr.global_batch} at --micro-batch {tr.micro_batch} and {ranks} "
-                          f"data-parallel ranks makes {m} micro-batches, not --microbatches {par.microbatches}")
-    return m, tr.global_batch
-
-
-def resolve_layout(c: Config, world: int):
-    """(spec, model config, degrees, micro-batches, global batch) of a config on
-    `world` ranks, after every check of the layout against the model."""
-    par, tr = c.parallel, c.training
-    # compiled blocks take plain norms and activations: inductor fuses them itself, and
-    # the Triton custom ops are opaque to it and slower there (benchmarks/RESULTS.md)
-    fused = c.model.fused_kernels and not par.compile
-    if c.checkpoint.init_from_hf:
-        spec, mc = models.from_hf(c.checkpoint.init_from_hf)
-        mc = dataclasses.replace(mc, fused_kernels=fused)
-    else:
-        spec, preset = models.get(c.model.model)
-        mc = spec.configure(preset, dataclasses.replace(c.model, fused_kernels=fused))
-    degrees = resolve_degrees(world, **par.degrees())
-    spec.check_layout(mc, degrees, par, tr.seq_len)
-    microbatches, global_batch = batch_layout(par, tr, degrees)
-    if degrees["pp"] > 1:
-        check_pipeline(par.pp_schedule, degrees["pp"], par.pp_virtual, microbatches, mc.n_layers)
-    return spec, mc, degrees, microbatches, global_batch
-
-
-def build_model(spec, mc, mesh: DeviceMesh, par, microbatches: int) -> tuple[list[nn.Module], Pipeline | None]:
-    """The model on the meta device, cut into this rank's pipeline stages and
-    parallelized by its spec (TP, recompute, compile, FSDP); not yet materialized."""
-    with torch.device("meta"):
-        model = spec.model_cls(mc, seed=None)
-    pipeline = None
-    if degree(mesh, "pp") > 1:
-        stages = spec.pipeline_split(mc, degree(mesh, "pp") * par.pp_virtual)
-        pipeline = split_model(model, mesh, par.pp_schedule, par.pp_virtual, microbatches, stages)
-    parts = pipeline.parts if pipeline is not None else [model]
-    for m in parts:
-        spec.parallelize(m, mesh, par)
-    return parts, pipeline
-
-
 def init_process_group(timeout_s: float) -> None:
     """The default process group, with our own timeout (a lost peer fails the job,
     and torchrun --max-restarts restarts it). torchrun's agent keeps one store
@@ -181,8 +127,6 @@ class Trainer:
         par, tr = c.parallel, c.training
         with agree():   # nothing has communicated yet: every problem stops every rank here
             c.validate(world_size())
-            # compiled blocks take plain norms and activations: inductor fuses them itself, and
-            # the Triton custom ops are opaque to it and slower there (benchmarks/RESULTS.md)
             self.spec, mc, degrees, self.microbatches, self.global_batch = resolve_layout(c, world_size())
             self.model_config = mc
             tokens = open_data(c.data.data, mc.vocab_size, c.data.tokenizer)
@@ -389,7 +333,11 @@ def _env_int(name: str) -> int | None:
 
 def main(argv=None, *, description: str | None = None, exit_after: int | None = None) -> list[float]:
     """Parse, build, train; returns the losses. Used by recipes/train.py and tests."""
-    config = Config.from_args(argv, description, models.PRESETS)
+    config, args = Config.parse(argv, description, models.PRESETS)
+    if args.dry_run is not None:
+        ranks = None if args.dry_run_ranks is None else [int(r) for r in args.dry_run_ranks.split(",")]
+        dry_run(config, args.dry_run, ranks)
+        return []
     init_process_group(config.training.pg_timeout)
     if exit_after is None:
         exit_after = _env_int("MESHTRON_EXIT_AFTER")

@@ -96,7 +96,7 @@ import dataclasses, json, sys
 from meshtron import dry_run, plan
 from meshtron.config import Config
 from meshtron.models import PRESETS
-from meshtron.trainer import resolve_layout
+from meshtron.layout import resolve_layout
 for world, argv in json.loads(sys.argv[1]):
     c = Config.from_args(argv, models=PRESETS)
     spec, mc, degrees, _, _ = resolve_layout(c, world)
