@@ -7,10 +7,14 @@
   the output head) at its hidden sizes and a training micro-batch of tokens,
   forward shapes and both backward ones, bf16 on GPU; FLOP-weighted achieved
   throughput over the GPU's dense bf16 peak (a datasheet figure: MFU is quoted
-  against it);
+  against it); and the same at 1K to 16K tokens (the planner's curve: a small
+  micro-batch fills the GPU less);
 - attention efficiency: causal SDPA (flash on GPU) forward and backward at the
   model's heads and --seq-len, over the same peak;
 - HBM bandwidth: a large device-to-device copy (read + write);
+- host time: the eager forward and backward of the model cut to 1 and to 3
+  layers on a few tokens (what a small micro-batch waits for in Python and
+  kernel launches), per micro-batch and per layer;
 - usable memory: what the device reports as its total;
 - intra-node link: with more than one rank, all-gather and all-reduce over all
   of them from 64 KiB to 256 MiB, and a least-squares fit of
@@ -34,6 +38,7 @@ import torch.distributed as dist
 
 from meshtron import models
 from meshtron.hardware import GPUS
+from meshtron.loss import logits_of
 
 # dense bf16 tensor-core peak by device name (datasheets, SXM parts)
 PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
@@ -106,6 +111,22 @@ def attention_efficiency(cfg, device: torch.device, tokens: int, seq_len: int, p
     return 6 * b * seq_len ** 2 * cfg.dim / _time(step, device, repeats) / peak
 
 
+def host_seconds(spec, cfg, device: torch.device, repeats: int = 10, tokens: int = 64) -> tuple[float, float]:
+    """(per micro-batch, per layer) host seconds of the model's eager forward and
+    backward: the model at 1 and at 3 layers on a few tokens, where the GPU's work is
+    negligible, so the wall time is the Python and kernel launches that a micro-batch
+    too small to keep the GPU busy cannot hide."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    x = torch.randint(cfg.vocab_size, (1, tokens), device=device)
+    times = []
+    for layers in (1, 3):
+        model = spec.model_cls(dataclasses.replace(cfg, n_layers=layers), seed=0).to(device, dtype)
+        times.append(_time(lambda m=model: logits_of(m(x)).float().sum().backward(), device, repeats))
+        del model
+    per_layer = max(times[1] - times[0], 0.0) / 2
+    return max(times[0] - per_layer, 0.0), per_layer
+
+
 def hbm_bandwidth(device: torch.device, nbytes: int = 2 ** 30, repeats: int = 10) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -144,13 +165,17 @@ def link_samples(device: torch.device, sizes: list[int], repeats: int = 10) -> l
 def calibrate(model: str, tokens: int, seq_len: int, device: torch.device, quick: bool = False) -> dict:
     name, peak = _peak(device)
     base = GPUS.get(name, GPUS["h200"])
-    cfg = models.get(model)[1]
+    spec, cfg = models.get(model)
     repeats = 2 if quick else 10
     out = dataclasses.asdict(base) | {"name": name, "peak_flops": peak}
     out["matmul_efficiency"] = matmul_efficiency(cfg, device, tokens, peak, repeats)
+    out["matmul_curve"] = [[t, matmul_efficiency(cfg, device, t, peak, repeats)]
+                           for t in ((256, 1024) if quick else (1024, 2048, 4096, 8192, 16384))]
     out["attention_efficiency"] = attention_efficiency(cfg, device, tokens, seq_len, peak, repeats)
     out["hbm_bandwidth"] = hbm_bandwidth(device, 2 ** 20 if quick else 2 ** 30, repeats)
-    measured = ["matmul_efficiency", "attention_efficiency", "hbm_bandwidth"]
+    out["host_microbatch_s"], out["host_layer_s"] = host_seconds(spec, cfg, device, repeats)
+    measured = ["matmul_efficiency", "matmul_curve", "attention_efficiency", "hbm_bandwidth", "host_microbatch_s",
+                "host_layer_s"]
     if device.type == "cuda":
         out["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
         measured.append("memory_bytes")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -22,13 +23,35 @@ class Hardware:
     inter: tuple[float, float]  # across nodes
     hbm_bandwidth: float = 4.8e12   # B/s: what the memory-bound ops move
     attention_efficiency: float = 0.5   # causal flash attention, forward and backward, achieved / peak
+    # (tokens per GEMM, matmul efficiency) measured at several micro-batch sizes: small
+    # GEMMs fill the GPU less, so a micro-batch of 2048 tokens runs slower per FLOP
+    matmul_curve: tuple[tuple[int, float], ...] = ()
+    # eager forward + backward host time (Python, kernel launches): a micro-batch whose
+    # GPU work is shorter waits for it; compiled graphs launch far less
+    host_microbatch_s: float = 0.0
+    host_layer_s: float = 0.0
+
+    def matmul_at(self, tokens: float) -> float:
+        """Matmul efficiency at `tokens` rows per GEMM: the curve interpolated in
+        log2(tokens), held flat beyond its ends; matmul_efficiency without one."""
+        curve = sorted(self.matmul_curve)
+        if not curve:
+            return self.matmul_efficiency
+        x = math.log2(max(tokens, 1))
+        for (t0, e0), (t1, e1) in zip(curve, curve[1:]):
+            if x <= math.log2(t1):
+                w = min(max((x - math.log2(t0)) / (math.log2(t1) - math.log2(t0)), 0.0), 1.0)
+                return e0 + w * (e1 - e0)
+        return curve[-1][1]
 
 
 def _read(path: str) -> Hardware:
     with open(path) as f:   # a calibration file (meshtron.calibrate)
         data = json.load(f)
     fields = {f.name for f in dataclasses.fields(Hardware)}
-    return Hardware(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in fields})
+    def value(v):
+        return tuple(value(x) for x in v) if isinstance(v, list) else v
+    return Hardware(**{k: value(v) for k, v in data.items() if k in fields})
 
 
 _HERE = os.path.dirname(os.path.abspath(__file__))

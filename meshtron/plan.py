@@ -236,13 +236,15 @@ def activation_bytes(cfg, par: ParallelConfig, micro_batch: int, seq_len: int, l
     return held + logits / max(1, d["pp"])
 
 
-def compute_s(cfg, par: ParallelConfig, tokens: int, seq_len: int, hw: Hardware, layers: int) -> float:
+def compute_s(cfg, par: ParallelConfig, tokens: int, seq_len: int, hw: Hardware, layers: int,
+              gemm_tokens: float | None = None) -> float:
     """One rank's compute time for `tokens` tokens of its data-parallel share: the
-    matmuls at the calibrated matmul efficiency, causal attention (half of the
-    12*L*d*T that flops_per_token counts) at the calibrated attention efficiency,
-    and the memory-bound rest at the HBM bandwidth: each saved activation written in
-    forward, read in backward, its gradient written once (3x the saved bytes), and
-    AdamW's pass over this rank's fp32 state (28 bytes per parameter)."""
+    matmuls at the calibrated matmul efficiency for GEMMs of `gemm_tokens` rows (a
+    micro-batch's cp-local tokens; SP gathers the whole of them), causal attention
+    (half of the 12*L*d*T that flops_per_token counts) at the calibrated attention
+    efficiency, and the memory-bound rest at the HBM bandwidth: each saved activation
+    written in forward, read in backward, its gradient written once (3x the saved
+    bytes), and AdamW's pass over this rank's fp32 state (28 bytes per parameter)."""
     d = par.degrees()
     shard = d["cp"] * d["tp"] * d["pp"]
     attention = 12 * cfg.n_layers * cfg.dim * seq_len * tokens / shard
@@ -252,7 +254,8 @@ def compute_s(cfg, par: ParallelConfig, tokens: int, seq_len: int, hw: Hardware,
     replicated, split = _layer_elements(cfg)
     elementwise = 3 * 2 * tokens / d["cp"] * (replicated / (d["tp"] if par.sp else 1) + split / d["tp"]) * layers
     optimizer = 28 * cfg.num_params() / math.prod(d.values())
-    return (matmul / (hw.peak_flops * hw.matmul_efficiency) + attention / 2 / (hw.peak_flops * hw.attention_efficiency)
+    efficiency = hw.matmul_at(tokens / d["cp"] if gemm_tokens is None else gemm_tokens)
+    return (matmul / (hw.peak_flops * efficiency) + attention / 2 / (hw.peak_flops * hw.attention_efficiency)
             + (elementwise + optimizer) / hw.hbm_bandwidth)
 
 
@@ -275,7 +278,11 @@ def predict(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: int,
     memory = state + acts + gathered
 
     tokens = micro_batch * microbatches * seq_len          # per data-parallel rank and step
-    compute = compute_s(cfg, par, tokens, seq_len, hw, layers)
+    compute = compute_s(cfg, par, tokens, seq_len, hw, layers, gemm_tokens=micro_batch * seq_len / d["cp"])
+    if not par.compile:   # each micro-batch takes the longer of its GPU work and its eager host time
+        host = microbatches * (hw.host_microbatch_s + layers * hw.host_layer_s * (4 / 3 if par.recompute == "full"
+                                                                                   else 1))
+        compute = max(compute, host)
     act_bytes = 2 * micro_batch * seq_len / d["cp"] * cfg.dim   # one bf16 activation of a micro-batch
     tp_link = _link("tp", d, gpus_per_node, hw)
     if par.sp:
@@ -307,7 +314,7 @@ def predict(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: int,
             cfg.dim // cfg.n_heads) / d["tp"]
         ring = 3 * (d["cp"] - 1) * collective_s("p2p", kv_bytes, 2, _link("cp", d, gpus_per_node, hw))
         attention = 3 * 4 * micro_batch * seq_len ** 2 / d["cp"] * cfg.dim / d["tp"] / (
-            hw.peak_flops * hw.matmul_efficiency)
+            hw.peak_flops * hw.attention_efficiency)
         cp_comm = max(0.0, ring - attention) * layers * microbatches
     busy = compute + tp_comm + ep_comm + cp_comm
     bubble = bubble_fraction(par.pp_schedule, d["pp"], microbatches, par.pp_virtual) if d["pp"] > 1 else 0.0

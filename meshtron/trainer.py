@@ -50,7 +50,6 @@ from meshtron.distributed.pipeline_parallel import Pipeline
 from meshtron.distributed.reduce import clip_grad_norm_, sum_over
 from meshtron.distributed.tensor_parallel import loss_context
 from meshtron.distributed.tied import materialize
-from meshtron.dry_run import dry_run
 from meshtron.layout import build_model, resolve_layout
 from meshtron.loss import IGNORE_INDEX, cross_entropy_sum, logits_of, loss_function
 from meshtron.metrics import RunLog, Throughput, peak_memory_gib
@@ -335,6 +334,7 @@ def main(argv=None, *, description: str | None = None, exit_after: int | None = 
     """Parse, build, train; returns the losses. Used by recipes/train.py and tests."""
     config, args = Config.parse(argv, description, models.PRESETS)
     if args.dry_run is not None:
+        from meshtron.dry_run import dry_run  # the planner and the fake process group, only when asked
         ranks = None if args.dry_run_ranks is None else [int(r) for r in args.dry_run_ranks.split(",")]
         dry_run(config, args.dry_run, ranks)
         return []

@@ -166,6 +166,17 @@ def test_calibrate_writes_a_file_the_planner_reads(tmp_path):
     hw = plan.hardware(str(out))
     data = json.loads(out.read_text())
     assert 0 < hw.matmul_efficiency and 0 < hw.attention_efficiency and hw.hbm_bandwidth > 0
-    assert data["measured"] == ["matmul_efficiency", "attention_efficiency", "hbm_bandwidth"]   # no link on one CPU
+    # no link on one CPU
+    assert data["measured"] == ["matmul_efficiency", "matmul_curve", "attention_efficiency", "hbm_bandwidth",
+                                "host_microbatch_s", "host_layer_s"]
+    assert [t for t, _ in hw.matmul_curve] == [256, 1024] and hw.matmul_at(512) > 0
     fit, _ = plan.plan("tiny", seq_len=64, global_batch=8, gpus=2, gpu=str(out))
     assert fit
+
+
+def test_the_matmul_curve_interpolates_in_log_tokens_and_holds_flat_beyond_its_ends():
+    hw = dataclasses.replace(plan.GPUS["h200"], matmul_curve=((1024, 0.5), (4096, 0.7)))
+    assert hw.matmul_at(1024) == 0.5 and hw.matmul_at(4096) == 0.7
+    assert hw.matmul_at(2048) == pytest.approx(0.6)     # halfway in log2
+    assert hw.matmul_at(64) == 0.5 and hw.matmul_at(1 << 20) == 0.7
+    assert dataclasses.replace(hw, matmul_curve=()).matmul_at(2048) == hw.matmul_efficiency
