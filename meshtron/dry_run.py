@@ -5,7 +5,9 @@
 Each rank in turn joins torch's fake process group (it hands out ranks and
 groups and communicates nothing) as that rank of a world of N, builds the mesh,
 and runs the trainer's own set-up on the meta device: the layout checks, the
-pipeline split, the spec's TP plan, recompute and FSDP. What the rank then
+pipeline split, the spec's TP plan, recompute and FSDP. Then, without a
+pipeline, it runs the trainer's own step on fake tensors (shapes without data)
+and counts the collectives it issues (meshtron.distributed.collectives). What the rank then
 holds is read off its parameters (the local shard of each DTensor), so a wrong
 plan shows here as it would on the cluster, without one. Gradients have the
 shape and dtype of the parameters they belong to; AdamW adds two moments of
@@ -15,14 +17,19 @@ prediction (meshtron.plan) is printed.
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import sys
 
+import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from meshtron import plan
+from meshtron.distributed.collectives import CollectiveCounter
 from meshtron.distributed.mesh import init_mesh
+from meshtron.distributed.tied import materialize
 from meshtron.layout import build_model, resolve_layout
+from meshtron.step import gradients, losses, moe_end_step
 
 GiB = 2 ** 30
 
@@ -32,11 +39,26 @@ def _local_bytes(p) -> int:
     return t.numel() * t.element_size()
 
 
+def _fake_pg(world: int, rank: int):
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+
+
+def _forked(fn, *args):
+    """fn(*args) in a forked child: torch keeps meshes that FSDP derives (its
+    dp x tp mesh) past the process group that made them, and the next rank's
+    identical layout would find the old one, whose groups are gone."""
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        return pool.apply(fn, args)
+
+
 def rank_state(config, world: int, rank: int) -> dict[str, int]:
     """{params, grads, optim} bytes that `rank` of `world` holds under `config`."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+    return _forked(_rank_state, config, world, rank)
 
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+
+def _rank_state(config, world: int, rank: int) -> dict[str, int]:
+    _fake_pg(world, rank)
     try:
         spec, mc, degrees, microbatches, _ = resolve_layout(config, world)
         mesh = init_mesh(**degrees, device_type="cpu")
@@ -44,6 +66,41 @@ def rank_state(config, world: int, rank: int) -> dict[str, int]:
         params = {id(p): p for m in parts for p in m.parameters()}.values()
         held = sum(_local_bytes(p) for p in params)
         return {"params": held, "grads": held, "optim": 2 * held + 4 * len(params)}
+    finally:
+        dist.destroy_process_group()
+
+
+def rank_collectives(config, world: int, rank: int) -> dict[tuple[str, str], int]:
+    """{(kind, mesh axes): bytes} of the collectives `rank` issues in one training
+    step (its gradients, their norm and the MoE statistics: meshtron.step), counted
+    while the step runs on fake tensors: shapes flow, nothing is computed or sent
+    (FSDP's lazy initialization communicates nothing, so the first step is every
+    step). MoE all-to-alls assume the tokens spread evenly over the experts. A
+    pipeline is not run: torch's schedules exchange shapes and vote between
+    stages on their first step, which one process cannot answer."""
+    return _forked(_rank_collectives, config, world, rank)
+
+
+def _rank_collectives(config, world: int, rank: int) -> dict[tuple[str, str], int]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    _fake_pg(world, rank)
+    try:
+        spec, mc, degrees, microbatches, global_batch = resolve_layout(config, world)
+        if degrees["pp"] > 1:
+            raise ValueError("the dry run counts the collectives of layouts without a pipeline (pp=1)")
+        mesh = init_mesh(**degrees, device_type="cpu")
+        parts, _ = build_model(spec, mc, mesh, config.parallel, microbatches)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            for m in parts:
+                materialize(m, "cpu")
+            loss_fn, loss_context = losses(mesh, config.parallel, torch.device("cpu"))
+            tokens = torch.zeros(global_batch // (degrees["dp"] * degrees["ep"]), config.training.seq_len,
+                                 dtype=torch.long)
+            with CollectiveCounter(mesh) as count:
+                gradients(parts, tokens, tokens, mesh, None, config, microbatches, loss_fn, loss_context)
+                if getattr(mc, "moe", None) is not None:
+                    moe_end_step(parts, mesh)
+        return dict(count.bytes)
     finally:
         dist.destroy_process_group()
 
@@ -71,4 +128,15 @@ def dry_run(config, world: int, ranks: list[int] | None = None, out=sys.stdout) 
         states.append(s)
         print(f"{rank:>5} {s['params'] / GiB:11.4f} {s['grads'] / GiB:10.4f} {s['optim'] / GiB:10.4f}   "
               + ("equal" if s == predicted else f"differs: {predicted}"), file=out)
+    if degrees["pp"] > 1:
+        print("collectives: not counted under a pipeline (its schedules talk between stages on the first step)",
+              file=out)
+        return states
+    moe = " (MoE all-to-alls as if the tokens spread evenly over the experts)" if getattr(mc, "moe", None) else ""
+    print(f"collectives of one step, MiB each rank sends (an all-gather its shard, a reduce-scatter or all-reduce "
+          f"the whole tensor){moe}:", file=out)
+    for rank in range(world) if ranks is None else ranks:
+        count = rank_collectives(config, world, rank)
+        print(f"  rank {rank}: " + ", ".join(f"{kind} over {axes} {n / 2 ** 20:.2f}"
+                                              for (kind, axes), n in sorted(count.items())), file=out)
     return states

@@ -13,11 +13,7 @@ over the local batch (micro-batches in turn, or the pipeline schedule), clips by
 the global norm and steps the optimizer; logging, metrics and checkpoints
 around it.
 
-Loss: each micro-batch's summed token loss is divided by the number of target
-tokens in the whole global batch (counted over dp x cp x ep), so the loss and
-the gradients are the global token mean under every layout, with padding too.
-FSDP averages gradients over dp x cp x ep, so the backward loss carries that
-factor back.
+Loss and gradients: meshtron/step.py.
 
 Test hooks (not on the command line): MESHTRON_EXIT_AFTER=N stops after N steps
 of this run (the schedule still spans --steps); MESHTRON_CRASH_AT_STEP=N kills
@@ -25,7 +21,6 @@ rank 1 at step N on a torchrun job's first attempt (fault-recovery tests).
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import math
@@ -36,64 +31,22 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from meshtron import checkpoint, hf, models
 from meshtron.config import Config, ConfigError
 from meshtron.data import BatchLoader, open_data
 from meshtron.distributed.agree import agree
 from meshtron.distributed.context_parallel import shard_sequence
-from meshtron.distributed.data_parallel import reshard, set_grad_sync
+from meshtron.distributed.data_parallel import reshard
 from meshtron.distributed.mesh import batch_slice, degree, init_mesh, world_size
 from meshtron.distributed.pipeline_parallel import Pipeline
-from meshtron.distributed.reduce import clip_grad_norm_, sum_over
-from meshtron.distributed.tensor_parallel import loss_context
+from meshtron.distributed.reduce import sum_over
 from meshtron.distributed.tied import materialize
 from meshtron.layout import build_model, resolve_layout
-from meshtron.loss import IGNORE_INDEX, cross_entropy_sum, logits_of, loss_function
+from meshtron.loss import IGNORE_INDEX, logits_of
 from meshtron.metrics import RunLog, Throughput, peak_memory_gib
-from meshtron.models.common.moe import end_step, moe_blocks
 from meshtron.optim import build_optimizer, warmup_cosine
-
-
-def _value(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float()
-
-
-def forward_backward(parts: list[nn.Module], x: torch.Tensor, y: torch.Tensor, mesh: DeviceMesh | None, *,
-                     microbatches: int = 1, loss_fn=cross_entropy_sum, loss_context=contextlib.nullcontext,
-                     zero: int = 1, pipeline: Pipeline | None = None,
-                     autocast: torch.dtype | None = None) -> torch.Tensor:
-    """Forward and backward of one step over this rank's part (x, y) of the global
-    batch: `microbatches` in turn, or the pipeline's schedule. Returns the global
-    token-mean loss (fp32, detached, the same on every rank); `mesh=None` is one
-    process. `zero` is the ZeRO stage FSDP was applied with (what each micro-batch
-    communicates); `autocast` runs the forward under torch.autocast (meshtron's own
-    bf16 goes through FSDP's mixed precision instead)."""
-    device = next(parts[0].parameters()).device
-    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-    if mesh is not None and degree(mesh, "cp") > 1:   # this rank's chunks of every sequence
-        x, y = shard_sequence(x, mesh), shard_sequence(y, mesh)
-    n_tokens = sum_over((y != IGNORE_INDEX).sum().float(), mesh, "loss")
-    n_dp = degree(mesh, "dense_dp") if mesh is not None else 1
-    scale = n_dp / n_tokens.clamp_min(1)        # FSDP divides the summed gradients by n_dp
-    for moe in moe_blocks(parts):               # each micro-batch's aux loss weighs 1/micro-batches
-        moe.aux_grad_scale = n_dp / (pipeline.microbatches if pipeline is not None else microbatches)
-    with loss_context():
-        if pipeline is not None:
-            total = sum_over(pipeline.step(x, y, scale), mesh, "pp")
-        else:
-            model, total = parts[0], torch.zeros((), device=device)
-            amp = torch.autocast(device.type, dtype=autocast) if autocast else contextlib.nullcontext()
-            for i, (xs, ys) in enumerate(zip(x.chunk(microbatches), y.chunk(microbatches))):
-                set_grad_sync(model, zero, i == microbatches - 1)
-                with amp:
-                    logits = logits_of(model(xs))
-                loss = loss_fn(logits, ys) * scale
-                loss.backward()
-                total += _value(loss)
-    return sum_over(total, mesh, "loss") / n_dp
+from meshtron.step import _value, gradients, losses, moe_end_step
 
 
 def init_process_group(timeout_s: float) -> None:
@@ -149,10 +102,8 @@ class Trainer:
             weights = c.checkpoint.init_from_hf or c.checkpoint.import_safetensors
             if weights:
                 hf.import_safetensors(self.parts, weights, mc, self.spec.hf)
-        vocab_sharded = degree(self.mesh, "tp") > 1 and par.loss_parallel
-        self.loss_fn = loss_function(self.device, vocab_sharded)
+        self.loss_fn, self.loss_context = losses(self.mesh, par, self.device)
         self.moe_stats = None   # the last step's routing statistics (mixture-of-experts models)
-        self.loss_context = loss_context(degree(self.mesh, "tp"), par.loss_parallel)
         if self.pipeline is not None:
             self.pipeline.build_schedule(self.loss_fn)
         self.start = 0
@@ -199,29 +150,14 @@ class Trainer:
     def step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step on this rank's part of a global batch; (loss, grad norm)
         as device tensors (reading them syncs the GPU)."""
-        loss = forward_backward(self.parts, x, y, self.mesh, microbatches=self.microbatches, loss_fn=self.loss_fn,
-                                loss_context=self.loss_context, zero=self.config.parallel.zero,
-                                pipeline=self.pipeline)
-        norm_params = self.pipeline.norm_parameters() if self.pipeline is not None else None
-        norm = clip_grad_norm_([p for m in self.parts for p in m.parameters()], self.config.training.max_norm or None,
-                               self.mesh, norm_params)
+        loss, norm = gradients(self.parts, x, y, self.mesh, self.pipeline, self.config, self.microbatches,
+                               self.loss_fn, self.loss_context)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         if getattr(self.model_config, "moe", None) is not None:
-            self.moe_stats = self._moe_end_step()
+            self.moe_stats = moe_end_step(self.parts, self.mesh)
         return loss, norm
-
-    def _moe_end_step(self) -> torch.Tensor:
-        """Expert-bias updates and the step's routing statistics, over every stage."""
-        s = end_step(moe_blocks(self.parts))
-        if degree(self.mesh, "pp") > 1:
-            group = self.mesh["pp"].get_group()
-            sums, worst = s[:3].clone(), s[3:].clone()
-            dist.all_reduce(sums, group=group)
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
-            s = torch.cat([sums, worst])
-        return s
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -18,7 +18,8 @@ from meshtron.distributed.mesh import batch_slice  # noqa: E402
 from meshtron.distributed.reduce import clip_grad_norm_  # noqa: E402
 from meshtron.distributed.tensor_parallel import loss_context  # noqa: E402
 from meshtron.optim import build_optimizer  # noqa: E402
-from meshtron.trainer import forward_backward, init_process_group  # noqa: E402
+from meshtron.step import forward_backward  # noqa: E402
+from meshtron.trainer import init_process_group  # noqa: E402
 
 PLAN = {  # module-name globs -> the string styles of meshtron.parallelize_module
     "model.embed_tokens": "vocab_parallel",

@@ -20,7 +20,7 @@ from meshtron.distributed.pipeline_parallel import Pipeline
 from meshtron.distributed.reduce import clip_grad_norm_
 from meshtron.models.common.moe import end_step, moe_blocks
 from meshtron.optim import build_optimizer
-from meshtron.trainer import forward_backward
+from meshtron.step import forward_backward
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _measured_and_predicted(rank, world, argv):
     from meshtron.config import Config
+    from meshtron.distributed.collectives import CollectiveCounter
     from meshtron.models import PRESETS
     from meshtron.trainer import Trainer
     trainer = Trainer(Config.from_args(argv, models=PRESETS), verbose=False)
@@ -33,6 +34,8 @@ def _measured_and_predicted(rank, world, argv):
     trainer.optimizer.register_step_pre_hook(lambda *_: grads.append(
         sum(_local(p.grad).numel() * p.grad.element_size() for p in params if p.grad is not None)))
     trainer.train()
+    with CollectiveCounter(trainer.mesh) as count:   # a step after the first, as the dry run counts
+        trainer.step(*trainer.loader.next())
     measured = {
         "params": sum(_local(p).numel() * p.element_size() for p in params),
         "grads": grads[0],
@@ -40,7 +43,8 @@ def _measured_and_predicted(rank, world, argv):
                      for v in s.values() if torch.is_tensor(v)),
     }
     par = dataclasses.replace(trainer.config.parallel, **resolve_degrees(world, **trainer.config.parallel.degrees()))
-    return measured, plan.state_bytes(trainer.spec, trainer.model_config, par, rank)
+    return measured, plan.state_bytes(trainer.spec, trainer.model_config, par, rank), \
+        {" ".join(k): v for k, v in count.bytes.items()}
 
 
 LAYOUTS = {
@@ -63,12 +67,59 @@ LAYOUTS = {
 }
 
 
+_DRY_RUN = """
+import json, sys
+from meshtron import dry_run
+from meshtron.config import Config
+from meshtron.models import PRESETS
+out = []
+for world, argv in json.loads(sys.argv[1]):
+    c = Config.from_args(argv, models=PRESETS)
+    out.append([[dry_run.rank_state(c, world, r),
+                 None if "--pp" in argv else {" ".join(k): v for k, v in dry_run.rank_collectives(c, world, r).items()}]
+                for r in range(world)])
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def dry_runs():
+    """(world, argv) -> per rank [state bytes, collectives] from one process that
+    plays every rank of every layout below (meshtron.dry_run), started at once and
+    running beside the real runs."""
+    layouts = [(w, a + ARGS) for w, group in LAYOUTS.items() for a in group]
+    proc = subprocess.Popen([sys.executable, "-c", _DRY_RUN, json.dumps(layouts)], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    results = {}
+
+    def get(world, argv):
+        if not results:
+            out, err = proc.communicate(timeout=900)
+            assert proc.returncode == 0, err[-3000:]
+            results.update({(w, tuple(a)): r for (w, a), r in zip(layouts, json.loads(out))})
+        return results[(world, tuple(argv))]
+    yield get
+    proc.kill()
+
+
 @pytest.mark.parametrize("world,argv", [(w, a) for w, layouts in LAYOUTS.items() for a in layouts],
                          ids=lambda v: " ".join(v).replace("--", "") if isinstance(v, list) else str(v))
-def test_predicted_state_bytes_equal_each_ranks_measured(pools, world, argv):
-    for rank, (measured, predicted) in enumerate(pools.run(world, _measured_and_predicted, argv + ARGS,
-                                                           timeout=300)):
-        assert measured == predicted, f"rank {rank}"
+def test_each_ranks_state_and_collectives_equal_the_planner_and_the_dry_run(pools, dry_runs, world, argv):
+    # bytes of parameters, gradients and optimizer state: measured after a real step, the
+    # planner's formula, the dry run's meta build; bytes per (collective, mesh axes) of one
+    # step: counted on gloo, counted by the dry run on fake tensors (not under a pipeline)
+    real = pools.run(world, _measured_and_predicted, argv + ARGS, timeout=300)
+    dry = dry_runs(world, argv + ARGS)
+    for rank, ((measured, predicted, _), (built, _)) in enumerate(zip(real, dry)):
+        assert measured == predicted == built, f"rank {rank}"
+    if "--pp" in argv:
+        return
+    counted, simulated = [r[2] for r in real], [d[1] for d in dry]
+    assert all(counted), argv   # every layout here communicates
+    if "--ep" in argv:   # the routing decides what each rank sends back, not the total
+        total = [sum(r.pop("all_to_all ep") for r in ranks) for ranks in (counted, simulated)]
+        assert total[0] == total[1], total
+    assert counted == simulated
 
 
 def test_plan_ranks_every_layout_of_64_gpus_in_under_2_seconds():
@@ -91,32 +142,6 @@ def test_the_command_prints_a_ranked_table(capsys):
     assert "layouts fit" in out and out.count("recipes/train.py --model llama-1B") == 3
 
 
-_DRY_RUN_EVERY_RANK = """
-import dataclasses, json, sys
-from meshtron import dry_run, plan
-from meshtron.config import Config
-from meshtron.models import PRESETS
-from meshtron.layout import resolve_layout
-for world, argv in json.loads(sys.argv[1]):
-    c = Config.from_args(argv, models=PRESETS)
-    spec, mc, degrees, _, _ = resolve_layout(c, world)
-    par = dataclasses.replace(c.parallel, **degrees)
-    for rank in range(world):
-        built, predicted = dry_run.rank_state(c, world, rank), plan.state_bytes(spec, mc, par, rank)
-        assert built == predicted, (argv, rank, built, predicted)
-print("ok")
-"""
-
-
-def test_the_dry_run_builds_every_rank_of_each_tested_layout_as_the_planner_predicts():
-    # one process plays every rank of the layouts whose bytes test_predicted_state_bytes...
-    # measured for real, so the dry run is checked against real runs through the planner
-    layouts = [(w, a + ARGS) for w, group in LAYOUTS.items() for a in group]
-    out = subprocess.run([sys.executable, "-c", _DRY_RUN_EVERY_RANK, json.dumps(layouts)], capture_output=True,
-                         text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
-
-
 @pytest.mark.parametrize("argv,world,ranks", [
     ("--model llama-8B --dp 8 --tp 8 --sp --zero 3 --seq-len 8192", 64, [0, 7, 8, 63]),
     ("--model llama-moe-3B --ep 8 --zero 3 --seq-len 4096", 8, list(range(8))),
@@ -124,10 +149,15 @@ def test_the_dry_run_builds_every_rank_of_each_tested_layout_as_the_planner_pred
 def test_the_dry_run_command_prints_the_planners_bytes_for_large_layouts(argv, world, ranks):
     cmd = [sys.executable, "recipes/train.py", *argv.split(), "--dry-run", str(world),
            "--dry-run-ranks", ",".join(map(str, ranks))]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split() for line in out.stdout.splitlines() if line.split() and line.split()[0].isdigit()]
     assert [int(r[0]) for r in rows] == ranks and all(r[-1] == "equal" for r in rows), out.stdout
+    # and each rank's collectives of one step: FSDP's reduce-scatter, SP's all-gathers or the all-to-alls
+    counted = [line for line in out.stdout.splitlines() if line.startswith("  rank ")]
+    assert [int(c.split()[1].rstrip(":")) for c in counted] == ranks, out.stdout
+    assert all("reduce_scatter over" in c and ("all_gather over tp" in c or "all_to_all over ep" in c)
+               for c in counted), out.stdout
 
 
 def test_the_dry_run_refuses_a_bad_layout_before_building_anything():

@@ -68,7 +68,7 @@ def _local_adamw(rank, world, layout):
 
     from meshtron import ParallelConfig
     from meshtron.models import GPT, gpt_config
-    from meshtron.trainer import forward_backward
+    from meshtron.step import forward_backward
 
     from parity import fb_kwargs, tiny_batches
     from parity import layout as apply_layout

@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 from torch.nn.utils.stateless import _reparametrize_module
 
+from meshtron.counts import counts, host_counts
 from meshtron.distributed.mesh import degree, submesh
 
 
@@ -97,9 +98,9 @@ class AllToAllDispatch(nn.Module):
         local_e = n_experts // ep
         flat = experts.flatten()
         order = flat.argsort(stable=True)            # copies grouped by expert, so by destination rank too
-        sent = torch.bincount(flat, minlength=n_experts)
+        sent = counts(flat, n_experts)
         got = all_to_all_single(sent, None, None, self.group).view(ep, local_e)   # [source rank, my expert]
-        splits = torch.cat([sent.view(ep, local_e).sum(1), got.sum(1)]).tolist()  # the one host sync
+        splits = host_counts(torch.cat([sent.view(ep, local_e).sum(1), got.sum(1)]), 2 * flat.numel())  # one sync
         send_splits, recv_splits = splits[:ep], splits[ep:]
         rows = all_to_all_single_autograd(x[order // k], recv_splits, send_splits, self.group)
         # received blocks are (source, expert); the experts want them (expert, source)

@@ -46,7 +46,7 @@ def reduce_partial_grads(parameters) -> None:
     for p in parameters:
         g = p.grad
         if isinstance(g, DTensor) and g.placements != p.placements:
-            groups[(id(g.device_mesh), g.placements, p.placements, g.dtype)].append(p)
+            groups[(g.device_mesh, g.placements, p.placements, g.dtype)].append(p)   # equal meshes: one bucket
     for (_, src, dst, _), ps in groups.items():
         mesh = ps[0].device_mesh
         if not all(s == d or (s.is_partial() and d.is_replicate()) for s, d in zip(src, dst)):
@@ -73,7 +73,7 @@ def grad_norm(parameters, mesh: DeviceMesh | None = None) -> torch.Tensor:
     is summed over pp. Gradients must have their parameters' placements
     (`reduce_partial_grads`); a Partial one is refused rather than miscounted.
     """
-    shards: dict[tuple, list[torch.Tensor]] = defaultdict(list)   # (mesh id, sharded axes) -> local shards
+    shards: dict[tuple, list[torch.Tensor]] = defaultdict(list)   # (mesh, sharded axes) -> local shards
     meshes: dict[tuple, DeviceMesh | None] = {}
     for p in parameters:
         g = p.grad
@@ -85,7 +85,9 @@ def grad_norm(parameters, mesh: DeviceMesh | None = None) -> torch.Tensor:
                 raise ValueError("grad_norm needs reduced gradients: call reduce_partial_grads first")
             # sharded: Shard, and FSDP-over-TP's _StridedShard, which is no Shard in torch 2.13
             sharded = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())
-            key, m = (id(g.device_mesh), sharded), g.device_mesh
+            # meshes compare by their ranks and axes: gradients on equal meshes made by
+            # different ops share one all-reduce
+            key, m = (g.device_mesh, sharded), g.device_mesh
             g = g.to_local()
         shards[key].append(g)
         meshes[key] = m

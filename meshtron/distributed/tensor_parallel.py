@@ -255,7 +255,7 @@ def cast_output_to_autocast_dtype(modules) -> None:
     activations are bf16 there too)."""
     def hook(mod, args, out):
         device = out.device.type
-        if torch.is_autocast_enabled(device):
+        if device != "meta" and torch.is_autocast_enabled(device):   # meta: the dry run
             return out.to(torch.get_autocast_dtype(device))
     for m in modules:
         m.register_forward_hook(hook)

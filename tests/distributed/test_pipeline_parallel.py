@@ -6,7 +6,7 @@ from meshtron.distributed.pipeline_parallel import bubble_fraction, check_pipeli
 from meshtron.loss import cross_entropy_sum
 from meshtron.models import GPT, gpt_config
 from meshtron.models.gpt import SPEC
-from meshtron.trainer import forward_backward
+from meshtron.step import forward_backward
 
 from harness import mesh
 from parity import assert_parity, fb_kwargs, run_parity, tiny_batches

@@ -8,7 +8,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from meshtron import ParallelConfig, parallelize_module
 from meshtron.models import GPT, gpt_config
-from meshtron.trainer import forward_backward
+from meshtron.step import forward_backward
 
 from harness import mesh
 from parity import assert_parity, fb_kwargs, layout, run_parity, tiny_batches

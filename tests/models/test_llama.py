@@ -114,7 +114,7 @@ def test_llama_pipeline_parity(pools, degrees, schedule, v, m, pcfg):
 
 
 def _compiled_losses(rank, world):
-    from meshtron.trainer import forward_backward
+    from meshtron.step import forward_backward
     losses = []
     for compiled in (False, True):
         model = build()

@@ -34,6 +34,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from meshtron.counts import counts as expert_counts
+from meshtron.counts import host_counts
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -131,7 +134,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
     if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and x.shape[0] > 0 and \
             torch.cuda.get_device_capability(x.device)[0] == 9:
         return torch._grouped_mm(x, w, offs=counts.cumsum(0, dtype=torch.int32))
-    return torch.cat([xi @ w[g] for g, xi in enumerate(x.split(counts.tolist()))])
+    return torch.cat([xi @ w[g] for g, xi in enumerate(x.split(host_counts(counts, x.shape[0])))])
 
 
 def capacity_keep(weights: torch.Tensor, experts: torch.Tensor, n_experts: int, capacity: float,
@@ -159,7 +162,7 @@ class LocalDispatch(nn.Module):
         n_experts = mlp.w1.shape[0]
         flat = experts.flatten()
         order = flat.argsort(stable=True)
-        y = mlp(x[order // experts.shape[1]], torch.bincount(flat, minlength=n_experts))
+        y = mlp(x[order // experts.shape[1]], expert_counts(flat, n_experts))
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         out.index_add_(0, order // experts.shape[1], y.float() * weights.flatten()[order, None])
         return out.to(x.dtype)
@@ -194,7 +197,7 @@ class MoE(nn.Module):
         x = h.reshape(-1, dim)
         weights, experts, scores = self.router(x)
         # one sum over the ranks: [tokens per expert, tokens, scores per expert]
-        local = torch.cat([torch.bincount(experts.flatten(), minlength=E).float(),
+        local = torch.cat([expert_counts(experts, E).float(),
                            x.new_full((1,), x.shape[0], dtype=torch.float32), scores.sum(0)])
         counts, n_tokens, score_sums = self.step_sum(local).split([E, 1, E])
         capacity = self.cfg.capacity if self.training else 0.0   # evaluation and generation keep every token

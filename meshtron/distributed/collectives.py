@@ -1,0 +1,97 @@
+"""Count the collectives a rank issues: calls and bytes per (kind, mesh axes).
+
+    with CollectiveCounter(mesh) as count:
+        step()
+    count.bytes   # {("all_gather", "dp+cp"): 1179648, ("all_reduce", "tp"): 8192, ...}
+
+A TorchDispatchMode sees every collective, whoever issues it: FSDP's all-gathers
+and reduce-scatters (c10d ops), DTensor's redistributions (functional
+collectives), the pipeline's sends and receives and the MoE all-to-alls. Bytes
+are those of this rank's input: the shard an all-gather sends, the whole tensor
+a reduce-scatter or all-reduce reduces, what an all-to-all or send sends, what a
+receive receives. Groups are named by the mesh axes they span. The dry run
+(meshtron.dry_run) counts one step this way on a fake process group and fake
+tensors, where nothing moves and nothing is computed.
+"""
+from __future__ import annotations
+
+import collections
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from meshtron.distributed.mesh import AXES, SUBMESHES, degree
+
+_c10d, _funcol = torch.ops.c10d, torch.ops._c10d_functional
+
+# op -> (kind, index of the argument whose bytes count, index of the group argument)
+_OPS = {
+    _c10d._allgather_base_: ("all_gather", 1, 2),
+    _c10d.allgather_into_tensor_coalesced_: ("all_gather", 1, 2),
+    _c10d._reduce_scatter_base_: ("reduce_scatter", 1, 2),
+    _c10d.reduce_scatter_tensor_coalesced_: ("reduce_scatter", 1, 2),
+    _c10d.allreduce_: ("all_reduce", 0, 1),
+    _c10d.allreduce_coalesced_: ("all_reduce", 0, 1),
+    _c10d.alltoall_base_: ("all_to_all", 1, 2),
+    _c10d.broadcast_: ("broadcast", 0, 1),
+    _c10d.send: ("send", 0, 1),
+    _c10d.recv_: ("recv", 0, 1),
+    _funcol.all_gather_into_tensor: ("all_gather", 0, 2),
+    _funcol.all_gather_into_tensor_coalesced: ("all_gather", 0, 2),
+    _funcol.reduce_scatter_tensor: ("reduce_scatter", 0, 3),
+    _funcol.reduce_scatter_tensor_coalesced: ("reduce_scatter", 0, 3),
+    _funcol.all_reduce: ("all_reduce", 0, 2),
+    _funcol.all_reduce_coalesced: ("all_reduce", 0, 2),
+    _funcol.all_to_all_single: ("all_to_all", 0, 3),
+    _funcol.broadcast: ("broadcast", 0, 2),
+}
+
+
+def _nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    return sum(_nbytes(t) for t in x)
+
+
+def group_names(mesh: DeviceMesh) -> dict[str, str]:
+    """Process-group name -> the mesh axes it spans, the size-1 ones left out
+    ("dp+cp"), or the HSDP dimension ("dp_replicate", "dp_shard"). Only groups
+    already made are named: making one is a collective of its own."""
+    names = {}
+    for key, sub in mesh.__dict__.get("_meshtron_flat", {}).items():
+        if key in SUBMESHES:
+            label = "+".join(a for a in SUBMESHES[key] if degree(mesh, a) > 1)
+            if sub.size() > 1:
+                names[sub.get_group().group_name] = label
+        else:   # data_parallel.dp_mesh_for's 2-D HSDP / DDP mesh
+            for dim in sub.mesh_dim_names:
+                if sub[dim].size() > 1:
+                    names[sub[dim].get_group().group_name] = dim
+    for name in AXES:
+        if degree(mesh, name) > 1:
+            names[mesh[name].get_group().group_name] = name
+    return names
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """`calls` and `bytes`: {(kind, mesh axes): n} of what ran inside it."""
+
+    def __init__(self, mesh: DeviceMesh):
+        super().__init__()
+        self.names = group_names(mesh)
+        self.calls: dict[tuple[str, str], int] = collections.Counter()
+        self.bytes: dict[tuple[str, str], int] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        spec = _OPS.get(func._overloadpacket)
+        if spec is not None:
+            kind, data, group = spec
+            group = args[group]
+            # c10d ops carry the group boxed as a TorchScript object
+            name = group if isinstance(group, str) else dist.ProcessGroup.unbox(group).group_name
+            key = (kind, self.names.get(name, name))
+            self.calls[key] += 1
+            self.bytes[key] += _nbytes(args[data])
+        return func(*args, **(kwargs or {}))

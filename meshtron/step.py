@@ -1,0 +1,99 @@
+"""One training step's gradients, shared by the trainer and the dry run: the
+forward and backward of every micro-batch (or the pipeline's schedule), then the
+gradient norm over every rank's shards and clipping; and the mixture-of-experts
+statistics after the optimizer step.
+
+Loss: each micro-batch's summed token loss is divided by the number of target
+tokens in the whole global batch (counted over dp x cp x ep), so the loss and
+the gradients are the global token mean under every layout, with padding too.
+FSDP averages gradients over dp x cp x ep, so the backward loss carries that
+factor back.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from meshtron.distributed.context_parallel import shard_sequence
+from meshtron.distributed.data_parallel import set_grad_sync
+from meshtron.distributed.mesh import degree
+from meshtron.distributed.pipeline_parallel import Pipeline
+from meshtron.distributed.reduce import clip_grad_norm_, sum_over
+from meshtron.distributed.tensor_parallel import loss_context as tp_loss_context
+from meshtron.loss import IGNORE_INDEX, cross_entropy_sum, logits_of, loss_function
+from meshtron.models.common.moe import end_step, moe_blocks
+
+
+def _value(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float()
+
+
+def forward_backward(parts: list[nn.Module], x: torch.Tensor, y: torch.Tensor, mesh: DeviceMesh | None, *,
+                     microbatches: int = 1, loss_fn=cross_entropy_sum, loss_context=contextlib.nullcontext,
+                     zero: int = 1, pipeline: Pipeline | None = None,
+                     autocast: torch.dtype | None = None) -> torch.Tensor:
+    """Forward and backward of one step over this rank's part (x, y) of the global
+    batch: `microbatches` in turn, or the pipeline's schedule. Returns the global
+    token-mean loss (fp32, detached, the same on every rank); `mesh=None` is one
+    process. `zero` is the ZeRO stage FSDP was applied with (what each micro-batch
+    communicates); `autocast` runs the forward under torch.autocast (meshtron's own
+    bf16 goes through FSDP's mixed precision instead)."""
+    device = next(parts[0].parameters()).device
+    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    if mesh is not None and degree(mesh, "cp") > 1:   # this rank's chunks of every sequence
+        x, y = shard_sequence(x, mesh), shard_sequence(y, mesh)
+    n_tokens = sum_over((y != IGNORE_INDEX).sum().float(), mesh, "loss")
+    n_dp = degree(mesh, "dense_dp") if mesh is not None else 1
+    scale = n_dp / n_tokens.clamp_min(1)        # FSDP divides the summed gradients by n_dp
+    for moe in moe_blocks(parts):               # each micro-batch's aux loss weighs 1/micro-batches
+        moe.aux_grad_scale = n_dp / (pipeline.microbatches if pipeline is not None else microbatches)
+    with loss_context():
+        if pipeline is not None:
+            total = sum_over(pipeline.step(x, y, scale), mesh, "pp")
+        else:
+            model, total = parts[0], torch.zeros((), device=device)
+            amp = torch.autocast(device.type, dtype=autocast) if autocast else contextlib.nullcontext()
+            for i, (xs, ys) in enumerate(zip(x.chunk(microbatches), y.chunk(microbatches))):
+                set_grad_sync(model, zero, i == microbatches - 1)
+                with amp:
+                    logits = logits_of(model(xs))
+                loss = loss_fn(logits, ys) * scale
+                loss.backward()
+                total += _value(loss)
+    return sum_over(total, mesh, "loss") / n_dp
+
+
+def losses(mesh: DeviceMesh, par, device: torch.device):
+    """(loss function, the context it runs in) for the layout: vocab-parallel
+    cross-entropy under loss_parallel while tp shards the logits."""
+    tp = degree(mesh, "tp")
+    return loss_function(device, tp > 1 and par.loss_parallel), tp_loss_context(tp, par.loss_parallel)
+
+
+def gradients(parts: list[nn.Module], x: torch.Tensor, y: torch.Tensor, mesh: DeviceMesh, pipeline: Pipeline | None,
+              config, microbatches: int, loss_fn, loss_context) -> tuple[torch.Tensor, torch.Tensor]:
+    """forward_backward, then the global gradient norm and clipping to --max-norm:
+    (loss, norm) as device tensors."""
+    loss = forward_backward(parts, x, y, mesh, microbatches=microbatches, loss_fn=loss_fn,
+                            loss_context=loss_context, zero=config.parallel.zero, pipeline=pipeline)
+    norm_params = pipeline.norm_parameters() if pipeline is not None else None
+    norm = clip_grad_norm_([p for m in parts for p in m.parameters()], config.training.max_norm or None,
+                           mesh, norm_params)
+    return loss, norm
+
+
+def moe_end_step(parts: list[nn.Module], mesh: DeviceMesh) -> torch.Tensor:
+    """Expert-bias updates and the step's routing statistics, over every stage."""
+    s = end_step(moe_blocks(parts))
+    if degree(mesh, "pp") > 1:
+        group = mesh["pp"].get_group()
+        sums, worst = s[:3].clone(), s[3:].clone()
+        dist.all_reduce(sums, group=group)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+        s = torch.cat([sums, worst])
+    return s
