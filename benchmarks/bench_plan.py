@@ -4,7 +4,7 @@ ranks) and step time (bench_train's median), per layout and as a mean absolute
 percentage error.
 
     torchrun --nproc-per-node 1 benchmarks/bench_plan.py --suite 1gpu --out $OUT
-    python benchmarks/bench_plan.py --summarize $OUT/plan.jsonl
+    python benchmarks/bench_plan.py --summarize $OUT/plan.jsonl [--gpu FILE]   # predicted again with FILE
 
 A suite is a list of recipe flag sets for one world size; each is timed by
 bench_train.measure exactly as bench_train times a layout (bf16, eager unless
@@ -40,6 +40,8 @@ SUITES = {   # world size, [recipe flags]
                  for mb, extra in (("1", []), ("2", []), ("4", []), ("8", []),
                                    ("4", ["--recompute", "selective"]), ("4", ["--recompute", "full"]),
                                    ("8", ["--recompute", "full"]))]),
+    "recompute": (1, [[*GB16, "--model", m, "--micro-batch", "4", "--recompute", r]
+                      for m in ("1.3B", "llama-1B") for r in ("none", "full", "selective")]),
     "1gpu_compile": (1, [[*GB16, "--model", m, "--micro-batch", mb, "--compile", *extra]
                          for m in ("1.3B", "llama-1B")
                          for mb, extra in (("2", []), ("4", []), ("8", []), ("4", ["--recompute", "full"]))]),
@@ -63,8 +65,19 @@ def predicted(flags: list[str], world: int, gpu: str) -> plan.Prediction:
                         plan.hardware(gpu), gpus_per_node=8)
 
 
-def summarize(path: str) -> None:
+def compare(r: dict, flags: list[str], world: int, gpu: str) -> dict:
+    """A measured row with the planner's prediction for its flags under calibration `gpu`."""
+    pr, gib = predicted(flags, world, gpu), 2 ** 30
+    return r | dict(predicted_step_ms=pr.step_s * 1e3, predicted_mem_gib=pr.memory / gib, gpu_file=gpu,
+                    step_error=pr.step_s * 1e3 / r["step_ms"] - 1, mem_error=pr.memory / gib / r["peak_mem_gib"] - 1,
+                    predicted_state_gib=pr.state / gib, predicted_acts_gib=pr.activations / gib)
+
+
+def summarize(path: str, gpu: str | None = None) -> None:
+    """The table of a plan.jsonl; with `gpu`, predicted again under that calibration."""
     rows = [json.loads(line) for line in open(path) if line.strip()]
+    if gpu:
+        rows = [r if "error" in r else compare(r, r["flags"].split(), r["world"], gpu) for r in rows]
     ok = [r for r in rows if "error" not in r]
     print("| flags | measured step ms | predicted | error | measured peak GiB | predicted | error |")
     print("|---|---|---|---|---|---|---|")
@@ -90,7 +103,7 @@ def main():
     p.add_argument("--summarize", default=None)
     args = p.parse_args()
     if args.summarize:
-        summarize(args.summarize)
+        summarize(args.summarize, args.gpu)
         return
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29534")
@@ -104,12 +117,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     for flags in suite:
         try:
-            r = bench_train.measure("plan", flags, args)
-            pr = predicted(flags, world, gpu)
-            gib = 2 ** 30
-            r.update(predicted_step_ms=pr.step_s * 1e3, predicted_mem_gib=pr.memory / gib, gpu_file=gpu,
-                     step_error=pr.step_s * 1e3 / r["step_ms"] - 1, mem_error=pr.memory / gib / r["peak_mem_gib"] - 1,
-                     predicted_state_gib=pr.state / gib, predicted_acts_gib=pr.activations / gib)
+            r = compare(bench_train.measure("plan", flags, args), flags, world, gpu)
         except Exception as e:  # noqa: BLE001 - record and go on
             r = dict(flags=" ".join(flags), error=f"{type(e).__name__}: {e}")
             bench_train.forget()

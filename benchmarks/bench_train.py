@@ -65,7 +65,16 @@ def _repeat_kv(self, q, k, v):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-EXPERIMENTS = {  # the code paths a change replaced, to measure old against new in one run
+def _sac_save_sdpa():
+    from meshtron.distributed import recompute
+    aten = torch.ops.aten
+    recompute._SAVE |= {aten._scaled_dot_product_flash_attention.default,
+                        aten._scaled_dot_product_efficient_attention.default,
+                        aten._scaled_dot_product_cudnn_attention.default}
+
+
+EXPERIMENTS = {  # code paths other than the shipped ones (replaced or proposed), measured against them in one run
+    "sac-save-sdpa": _sac_save_sdpa,
     "rope-fp32": lambda: setattr(__import__("meshtron.models.llama.model", fromlist=["x"]), "apply_rope", _rope_fp32),
     "repeat-kv": lambda: setattr(__import__("meshtron.models.llama.model", fromlist=["x"]).CoreAttention,
                                  "forward", _repeat_kv),

@@ -14,7 +14,8 @@
 - HBM bandwidth: a large device-to-device copy (read + write);
 - host time: the eager forward and backward of the model cut to 1 and to 3
   layers on a few tokens (what a small micro-batch waits for in Python and
-  kernel launches), per micro-batch and per layer;
+  kernel launches), per micro-batch and per layer, the latter under each
+  recompute mode;
 - usable memory: what the device reports as its total;
 - intra-node link: with more than one rank, all-gather and all-reduce over all
   of them from 64 KiB to 256 MiB, and a least-squares fit of
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron import models
+from meshtron.distributed.recompute import MODES, apply_recompute
 from meshtron.hardware import GPUS
 from meshtron.loss import logits_of
 
@@ -111,20 +113,27 @@ def attention_efficiency(cfg, device: torch.device, tokens: int, seq_len: int, p
     return 6 * b * seq_len ** 2 * cfg.dim / _time(step, device, repeats) / peak
 
 
-def host_seconds(spec, cfg, device: torch.device, repeats: int = 10, tokens: int = 64) -> tuple[float, float]:
-    """(per micro-batch, per layer) host seconds of the model's eager forward and
-    backward: the model at 1 and at 3 layers on a few tokens, where the GPU's work is
-    negligible, so the wall time is the Python and kernel launches that a micro-batch
-    too small to keep the GPU busy cannot hide."""
+def host_seconds(spec, cfg, device: torch.device, repeats: int = 10, tokens: int = 64) -> dict[str, float]:
+    """Host seconds of the model's eager forward and backward: per micro-batch, and
+    per layer under each recompute mode. The model is cut to 1 and to 3 layers on a
+    few tokens, where the GPU's work is negligible, so the wall time is the Python
+    and kernel launches that a micro-batch too small to keep the GPU busy cannot hide."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     x = torch.randint(cfg.vocab_size, (1, tokens), device=device)
-    times = []
-    for layers in (1, 3):
-        model = spec.model_cls(dataclasses.replace(cfg, n_layers=layers), seed=0).to(device, dtype)
-        times.append(_time(lambda m=model: logits_of(m(x)).float().sum().backward(), device, repeats))
-        del model
-    per_layer = max(times[1] - times[0], 0.0) / 2
-    return max(times[0] - per_layer, 0.0), per_layer
+    out = {}
+    # selective recompute is refused with mixture-of-experts blocks (models/common/layout.py)
+    for mode in ("none", "full") if getattr(cfg, "moe", None) else MODES:
+        times = []
+        for layers in (1, 3):
+            model = spec.model_cls(dataclasses.replace(cfg, n_layers=layers), seed=0).to(device, dtype)
+            apply_recompute(list(model.layers.values()), mode)
+            times.append(_time(lambda m=model: logits_of(m(x)).float().sum().backward(), device, repeats))
+            del model
+        per_layer = max(times[1] - times[0], 0.0) / 2
+        if mode == "none":
+            out["host_microbatch_s"] = max(times[0] - per_layer, 0.0)
+        out["host_layer_s" if mode == "none" else f"host_layer_{mode}_s"] = per_layer
+    return out
 
 
 def hbm_bandwidth(device: torch.device, nbytes: int = 2 ** 30, repeats: int = 10) -> float:
@@ -173,9 +182,9 @@ def calibrate(model: str, tokens: int, seq_len: int, device: torch.device, quick
                            for t in ((256, 1024) if quick else (1024, 2048, 4096, 8192, 16384))]
     out["attention_efficiency"] = attention_efficiency(cfg, device, tokens, seq_len, peak, repeats)
     out["hbm_bandwidth"] = hbm_bandwidth(device, 2 ** 20 if quick else 2 ** 30, repeats)
-    out["host_microbatch_s"], out["host_layer_s"] = host_seconds(spec, cfg, device, repeats)
-    measured = ["matmul_efficiency", "matmul_curve", "attention_efficiency", "hbm_bandwidth", "host_microbatch_s",
-                "host_layer_s"]
+    host = host_seconds(spec, cfg, device, repeats)
+    out |= host
+    measured = ["matmul_efficiency", "matmul_curve", "attention_efficiency", "hbm_bandwidth", *host]
     if device.type == "cuda":
         out["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
         measured.append("memory_bytes")

@@ -82,7 +82,7 @@ class ParallelConfig:
     microbatches: int | None = None
     """micro-batches per step (default: pp with pipelining, else the local batch / --micro-batch)"""
     recompute: str = field(default="none", metadata={"choices": MODES})
-    """activation recomputation"""
+    """activation recomputation (selective runs its policy in Python per op: pair it with --compile on a GPU)"""
     compile: bool = False
     """torch.compile each block"""
     dtype: str = field(default="fp32", metadata={"choices": tuple(DTYPES)})

@@ -12,7 +12,7 @@ holds is read off its parameters (the local shard of each DTensor), so a wrong
 plan shows here as it would on the cluster, without one. Gradients have the
 shape and dtype of the parameters they belong to; AdamW adds two moments of
 that size and a 0-d fp32 step per parameter. Next to each rank the planner's
-prediction (meshtron.plan) is printed.
+prediction (meshtron.state) is printed.
 """
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from meshtron import plan
 from meshtron.distributed.collectives import CollectiveCounter
 from meshtron.distributed.mesh import init_mesh
 from meshtron.distributed.tied import materialize
 from meshtron.layout import build_model, resolve_layout
+from meshtron.state import state_bytes
 from meshtron.step import gradients, losses, moe_end_step
 
 GiB = 2 ** 30
@@ -52,44 +52,30 @@ def _forked(fn, *args):
         return pool.apply(fn, args)
 
 
-def rank_state(config, world: int, rank: int) -> dict[str, int]:
-    """{params, grads, optim} bytes that `rank` of `world` holds under `config`."""
-    return _forked(_rank_state, config, world, rank)
-
-
-def _rank_state(config, world: int, rank: int) -> dict[str, int]:
-    _fake_pg(world, rank)
-    try:
-        spec, mc, degrees, microbatches, _ = resolve_layout(config, world)
-        mesh = init_mesh(**degrees, device_type="cpu")
-        parts, _ = build_model(spec, mc, mesh, config.parallel, microbatches)
-        params = {id(p): p for m in parts for p in m.parameters()}.values()
-        held = sum(_local_bytes(p) for p in params)
-        return {"params": held, "grads": held, "optim": 2 * held + 4 * len(params)}
-    finally:
-        dist.destroy_process_group()
-
-
-def rank_collectives(config, world: int, rank: int) -> dict[tuple[str, str], int]:
-    """{(kind, mesh axes): bytes} of the collectives `rank` issues in one training
+def dry_run_rank(config, world: int, rank: int) -> tuple[dict[str, int], dict[tuple[str, str], int] | None]:
+    """What `rank` of `world` holds under `config`, {params, grads, optim} bytes,
+    and the {(kind, mesh axes): bytes} of the collectives it issues in one training
     step (its gradients, their norm and the MoE statistics: meshtron.step), counted
     while the step runs on fake tensors: shapes flow, nothing is computed or sent
     (FSDP's lazy initialization communicates nothing, so the first step is every
-    step). MoE all-to-alls assume the tokens spread evenly over the experts. A
-    pipeline is not run: torch's schedules exchange shapes and vote between
-    stages on their first step, which one process cannot answer."""
-    return _forked(_rank_collectives, config, world, rank)
+    step). MoE all-to-alls assume the tokens spread evenly over the experts. Under
+    a pipeline the collectives are None: torch's schedules exchange shapes and vote
+    between stages on their first step, which one process cannot answer."""
+    return _forked(_dry_run_rank, config, world, rank)
 
 
-def _rank_collectives(config, world: int, rank: int) -> dict[tuple[str, str], int]:
+def _dry_run_rank(config, world: int, rank: int):
     from torch._subclasses.fake_tensor import FakeTensorMode
     _fake_pg(world, rank)
     try:
         spec, mc, degrees, microbatches, global_batch = resolve_layout(config, world)
-        if degrees["pp"] > 1:
-            raise ValueError("the dry run counts the collectives of layouts without a pipeline (pp=1)")
         mesh = init_mesh(**degrees, device_type="cpu")
         parts, _ = build_model(spec, mc, mesh, config.parallel, microbatches)
+        params = {id(p): p for m in parts for p in m.parameters()}.values()
+        held = sum(_local_bytes(p) for p in params)
+        state = {"params": held, "grads": held, "optim": 2 * held + 4 * len(params)}
+        if degrees["pp"] > 1:
+            return state, None
         with FakeTensorMode(allow_non_fake_inputs=True):
             for m in parts:
                 materialize(m, "cpu")
@@ -100,7 +86,7 @@ def _rank_collectives(config, world: int, rank: int) -> dict[tuple[str, str], in
                 gradients(parts, tokens, tokens, mesh, None, config, microbatches, loss_fn, loss_context)
                 if getattr(mc, "moe", None) is not None:
                     moe_end_step(parts, mesh)
-        return dict(count.bytes)
+        return state, dict(count.bytes)
     finally:
         dist.destroy_process_group()
 
@@ -121,11 +107,12 @@ def dry_run(config, world: int, ranks: list[int] | None = None, out=sys.stdout) 
     print(f"dry run: {name} ({mc.num_params() / 1e9:.2f}B params) on {world} ranks, mesh {degrees}, "
           f"global batch {global_batch} x {tr.seq_len}, micro-batches {microbatches} x {tr.micro_batch}", file=out)
     print(f"{'rank':>5} {'params GiB':>11} {'grads GiB':>10} {'optim GiB':>10}   planner", file=out)
-    states = []
+    states, collectives = [], []
     for rank in range(world) if ranks is None else ranks:
-        s = rank_state(config, world, rank)
-        predicted = plan.state_bytes(spec, mc, par, rank)
+        s, count = dry_run_rank(config, world, rank)
+        predicted = state_bytes(spec, mc, par, rank)
         states.append(s)
+        collectives.append((rank, count))
         print(f"{rank:>5} {s['params'] / GiB:11.4f} {s['grads'] / GiB:10.4f} {s['optim'] / GiB:10.4f}   "
               + ("equal" if s == predicted else f"differs: {predicted}"), file=out)
     if degrees["pp"] > 1:
@@ -135,8 +122,7 @@ def dry_run(config, world: int, ranks: list[int] | None = None, out=sys.stdout) 
     moe = " (MoE all-to-alls as if the tokens spread evenly over the experts)" if getattr(mc, "moe", None) else ""
     print(f"collectives of one step, MiB each rank sends (an all-gather its shard, a reduce-scatter or all-reduce "
           f"the whole tensor){moe}:", file=out)
-    for rank in range(world) if ranks is None else ranks:
-        count = rank_collectives(config, world, rank)
+    for rank, count in collectives:
         print(f"  rank {rank}: " + ", ".join(f"{kind} over {axes} {n / 2 ** 20:.2f}"
                                               for (kind, axes), n in sorted(count.items())), file=out)
     return states

@@ -30,6 +30,15 @@ class Hardware:
     # GPU work is shorter waits for it; compiled graphs launch far less
     host_microbatch_s: float = 0.0
     host_layer_s: float = 0.0
+    # per layer with each recompute: full runs the forward twice; selective also sends
+    # every op through its policy's Python dispatch mode
+    host_layer_full_s: float = 0.0
+    host_layer_selective_s: float = 0.0
+
+    def host_layer(self, recompute: str) -> float:
+        """Eager host seconds of one layer's forward and backward under `recompute`."""
+        return {"full": self.host_layer_full_s, "selective": self.host_layer_selective_s}.get(recompute) \
+            or self.host_layer_s
 
     def matmul_at(self, tokens: float) -> float:
         """Matmul efficiency at `tokens` rows per GEMM: the curve interpolated in

@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from meshtron import plan
+from meshtron import models, plan
+from meshtron.config import ParallelConfig
 from meshtron.distributed.mesh import resolve_degrees
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,9 +76,8 @@ from meshtron.models import PRESETS
 out = []
 for world, argv in json.loads(sys.argv[1]):
     c = Config.from_args(argv, models=PRESETS)
-    out.append([[dry_run.rank_state(c, world, r),
-                 None if "--pp" in argv else {" ".join(k): v for k, v in dry_run.rank_collectives(c, world, r).items()}]
-                for r in range(world)])
+    ranks = [dry_run.dry_run_rank(c, world, r) for r in range(world)]
+    out.append([[state, count and {" ".join(k): v for k, v in count.items()}] for state, count in ranks])
 print(json.dumps(out))
 """
 
@@ -198,7 +198,7 @@ def test_calibrate_writes_a_file_the_planner_reads(tmp_path):
     assert 0 < hw.matmul_efficiency and 0 < hw.attention_efficiency and hw.hbm_bandwidth > 0
     # no link on one CPU
     assert data["measured"] == ["matmul_efficiency", "matmul_curve", "attention_efficiency", "hbm_bandwidth",
-                                "host_microbatch_s", "host_layer_s"]
+                                "host_microbatch_s", "host_layer_s", "host_layer_full_s", "host_layer_selective_s"]
     assert [t for t, _ in hw.matmul_curve] == [256, 1024] and hw.matmul_at(512) > 0
     fit, _ = plan.plan("tiny", seq_len=64, global_batch=8, gpus=2, gpu=str(out))
     assert fit
@@ -210,3 +210,18 @@ def test_the_matmul_curve_interpolates_in_log_tokens_and_holds_flat_beyond_its_e
     assert hw.matmul_at(2048) == pytest.approx(0.6)     # halfway in log2
     assert hw.matmul_at(64) == 0.5 and hw.matmul_at(1 << 20) == 0.7
     assert dataclasses.replace(hw, matmul_curve=()).matmul_at(2048) == hw.matmul_efficiency
+
+
+def test_eager_host_time_follows_the_recompute_mode_and_compiling_removes_it():
+    hw = dataclasses.replace(plan.GPUS["h200"], host_microbatch_s=0.0, host_layer_s=1e-3, host_layer_full_s=2e-3,
+                             host_layer_selective_s=1.0)
+    assert [hw.host_layer(m) for m in ("none", "full", "selective")] == [1e-3, 2e-3, 1.0]
+    assert dataclasses.replace(hw, host_layer_full_s=0.0).host_layer("full") == 1e-3   # not measured: the plain one
+    spec, cfg = models.get("tiny")
+
+    def step_s(recompute, compile=False):
+        par = ParallelConfig(dp=1, recompute=recompute, compile=compile)
+        return plan.predict(spec, cfg, par, micro_batch=1, microbatches=2, seq_len=64, hw=hw, gpus_per_node=8).step_s
+    # a tiny model's GPU time is far below a second: the selective step waits 2 micro-batches x its layers on the host
+    assert step_s("selective") >= 2 * cfg.n_layers * 1.0
+    assert step_s("selective", compile=True) < 1.0 and step_s("none") < 1.0
