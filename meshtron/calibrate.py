@@ -120,18 +120,24 @@ def host_seconds(spec, cfg, device: torch.device, repeats: int = 10, tokens: int
     and kernel launches that a micro-batch too small to keep the GPU busy cannot hide."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     x = torch.randint(cfg.vocab_size, (1, tokens), device=device)
-    out = {}
     # selective recompute is refused with mixture-of-experts blocks (models/common/layout.py)
-    for mode in ("none", "full") if getattr(cfg, "moe", None) else MODES:
-        times = []
-        for layers in (1, 3):
-            model = spec.model_cls(dataclasses.replace(cfg, n_layers=layers), seed=0).to(device, dtype)
-            apply_recompute(list(model.layers.values()), mode)
-            times.append(_time(lambda m=model: logits_of(m(x)).float().sum().backward(), device, repeats))
-            del model
-        per_layer = max(times[1] - times[0], 0.0) / 2
+    modes = ("none", "full") if getattr(cfg, "moe", None) else MODES
+    times = {mode: [] for mode in modes}
+    for layers in (1, 3):
+        model = spec.model_cls(dataclasses.replace(cfg, n_layers=layers), seed=0).to(device, dtype)
+        blocks = list(model.layers.values())
+        plain = [type(b) for b in blocks]
+        for mode in modes:
+            apply_recompute(blocks, mode)
+            times[mode].append(_time(lambda m=model: logits_of(m(x)).float().sum().backward(), device, repeats))
+            for block, cls in zip(blocks, plain):
+                block.__class__ = cls
+        del model
+    out = {}
+    for mode in modes:
+        per_layer = max(times[mode][1] - times[mode][0], 0.0) / 2
         if mode == "none":
-            out["host_microbatch_s"] = max(times[0] - per_layer, 0.0)
+            out["host_microbatch_s"] = max(times[mode][0] - per_layer, 0.0)
         out["host_layer_s" if mode == "none" else f"host_layer_{mode}_s"] = per_layer
     return out
 
