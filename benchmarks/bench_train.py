@@ -46,6 +46,11 @@ LAYOUTS = {  # name: (GPUs, recipe flags); bf16 compute, fp32 master weights and
     "tp4": (4, ["--tp", "4", "--sp"]),
     "fsdp2": (2, ["--dp", "2", "--zero", "1"]),
     "tp2": (2, ["--tp", "2", "--sp"]),
+    "tp2_async": (2, ["--tp", "2", "--sp", "--async-tp"]),
+    "tp4_async": (4, ["--tp", "4", "--sp", "--async-tp"]),
+    "tp2dp2_async": (4, ["--dp", "2", "--tp", "2", "--sp", "--async-tp", "--zero", "1"]),
+    "pp2tp2_async": (4, ["--pp", "2", "--tp", "2", "--sp", "--async-tp", "--microbatches", "8"]),
+    "pp2": (2, ["--pp", "2", "--microbatches", "8"]),
     "pp4": (4, ["--pp", "4", "--microbatches", "8"]),
     "dp2pp2": (4, ["--dp", "2", "--pp", "2", "--microbatches", "8"]),
     "pp2tp2": (4, ["--pp", "2", "--tp", "2", "--sp", "--microbatches", "8"]),
@@ -168,7 +173,8 @@ KINDS = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "attention", "sdpa
 
 
 def profile(step, n: int, device, path: str) -> dict:
-    """GPU kernel time per step by kind (and the busy union), the top kernels to `path`."""
+    """GPU kernel time per step by kind, the busy union, the communication time and
+    the part of it no compute kernel overlaps (exposed); the top kernels to `path`."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -181,19 +187,49 @@ def profile(step, n: int, device, path: str) -> dict:
     wall = (time.perf_counter() - t0) / n * 1e3
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     by_kind = dict.fromkeys([k for k, _ in KINDS] + ["other"], 0.0)
-    spans = []
+    comm, compute = [], []
     for e in kernels:
         name = e.name.lower()
         kind = next((k for k, keys in KINDS if any(s in name for s in keys)), "other")
         by_kind[kind] += e.time_range.elapsed_us() / 1e3 / n
-        spans.append((e.time_range.start, e.time_range.end))
-    busy, end = 0.0, None
-    for s, e in sorted(spans):
-        busy += max(0, e - max(s, end if end is not None else s))
-        end = e if end is None else max(end, e)
+        # NCCL kernels and the peer-to-peer copies of symmetric memory (async TP) move data
+        span = (e.time_range.start, e.time_range.end)
+        peer_copy = name.startswith("memcpy") and ("ptop" in name or "dtod" in name)
+        (comm if kind == "nccl" or peer_copy else compute).append(span)
+    busy, comm_total = _length(_union(comm + compute)), _length(_union(comm))
+    exposed = comm_total - _length(_intersect(_union(comm), _union(compute)))
     with open(path, "w") as f:
         f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
-    return {"wall_ms": wall, "gpu_busy_ms": busy / 1e3 / n, **{f"{k}_ms": v for k, v in by_kind.items()}}
+    return {"wall_ms": wall, "gpu_busy_ms": busy / 1e3 / n, "comm_ms": comm_total / 1e3 / n,
+            "exposed_comm_ms": exposed / 1e3 / n, **{f"{k}_ms": v for k, v in by_kind.items()}}
+
+
+def _union(spans: list) -> list:
+    merged = []
+    for s, e in sorted(spans):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return merged
+
+
+def _intersect(a: list, b: list) -> list:
+    """Of two sorted unions of intervals."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if s < e:
+            out.append([s, e])
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _length(spans: list) -> float:
+    return sum(e - s for s, e in spans)
 
 
 def summarize(path: str, peer_path: str | None) -> None:

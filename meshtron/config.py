@@ -67,6 +67,8 @@ class ParallelConfig:
     """expert-parallel degree"""
     sp: bool = False
     """sequence parallelism (needs tp > 1)"""
+    async_tp: bool = False
+    """overlap SP's all-gathers and reduce-scatters with the matmuls next to them (needs --sp)"""
     cp_comm: str = field(default="p2p", metadata={"choices": ("p2p", "allgather", "a2a")})
     """context-parallel attention: p2p (ring), allgather (K/V) or a2a (Ulysses, heads)"""
     loss_parallel: bool = True
@@ -230,6 +232,9 @@ class Config:
                               f"{t.lr})")
         if p.sp and p.tp == 1:
             raise ConfigError("--sp (sequence parallelism) shards the sequence over tp ranks: it needs --tp > 1")
+        if p.async_tp and not p.sp:
+            raise ConfigError("--async-tp overlaps sequence parallelism's all-gathers and reduce-scatters with "
+                              "the matmuls: it needs --sp (and --tp > 1)")
         if c.resume == "auto" and not c.checkpoint_dir:
             raise ConfigError("--resume auto looks for checkpoints in --checkpoint-dir: give one")
         from meshtron.distributed.mesh import resolve_degrees

@@ -8,7 +8,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 from meshtron.config import ParallelConfig
-from meshtron.distributed import expert_parallel
+from meshtron.distributed import async_tp, expert_parallel
 from meshtron.distributed.context_parallel import apply_cp
 from meshtron.distributed.mesh import degree
 from meshtron.distributed.parallelize import apply_compile, apply_dp
@@ -61,9 +61,10 @@ def tp_plan(model: nn.Module, sp: bool, loss_parallel: bool, moe: bool = False) 
     return {k: v for k, v in plan.items() if any(matches(k, n) for n in present)}
 
 
-def apply_tp(model: nn.Module, mesh: DeviceMesh, sp: bool, loss_parallel: bool, moe: list[nn.Module] = ()) -> None:
-    tp_mesh = tp_mesh_of(mesh)
-    parallelize_module(model, tp_mesh, tp_plan(model, sp, loss_parallel, bool(moe)), leave=moe)
+def apply_tp(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig, moe: list[nn.Module] = ()) -> None:
+    tp_mesh, sp = tp_mesh_of(mesh), parallel.sp
+    plan = tp_plan(model, sp, parallel.loss_parallel, bool(moe))
+    parallelize_module(model, tp_mesh, async_tp.apply(plan, tp_mesh, parallel), leave=moe)
     norms = [m for n, m in model.named_modules() if n == "norm" or n.endswith(("attn_norm", "mlp_norm"))]
     if sp:
         cast_output_to_autocast_dtype(norms)
@@ -85,7 +86,7 @@ def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig
     if moe:
         expert_parallel.apply_moe(moe, mesh)
     if degree(mesh, "tp") > 1:
-        apply_tp(model, mesh, parallel.sp, parallel.loss_parallel, moe)
+        apply_tp(model, mesh, parallel, moe)
     if degree(mesh, "cp") > 1:
         apply_cp(mesh, parallel.cp_comm, cores=[b.attn.core for b in blocks], attentions=[b.attn for b in blocks],
                  position_embeddings=[model.pos_embeddings] if model.pos_embeddings is not None else [])

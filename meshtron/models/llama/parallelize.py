@@ -9,7 +9,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 from meshtron.config import ParallelConfig
-from meshtron.distributed import expert_parallel
+from meshtron.distributed import async_tp, expert_parallel
 from meshtron.distributed.context_parallel import apply_cp
 from meshtron.distributed.mesh import degree
 from meshtron.distributed.parallelize import apply_compile, apply_dp
@@ -72,8 +72,9 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConf
     if moe:
         expert_parallel.apply_moe(moe, mesh)
     if degree(mesh, "tp") > 1:
-        parallelize_module(model, tp_mesh_of(mesh), tp_plan(model, parallel.sp, parallel.loss_parallel, bool(moe)),
-                           leave=moe)
+        tp_mesh = tp_mesh_of(mesh)
+        plan = tp_plan(model, parallel.sp, parallel.loss_parallel, bool(moe))
+        parallelize_module(model, tp_mesh, async_tp.apply(plan, tp_mesh, parallel), leave=moe)
         if parallel.sp:
             cast_output_to_autocast_dtype([m for n, m in model.named_modules()
                                            if n == "norm" or n.endswith(("attention_norm", "ffn_norm"))])
