@@ -35,6 +35,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from meshtron import Config, Trainer, models  # noqa: E402
+from meshtron.distributed.pipeline_parallel import bubble_fraction  # noqa: E402
 from meshtron.metrics import peak_tflops  # noqa: E402
 from meshtron.trainer import init_process_group  # noqa: E402
 
@@ -51,6 +52,8 @@ LAYOUTS = {  # name: (GPUs, recipe flags); bf16 compute, fp32 master weights and
     "tp2dp2_async": (4, ["--dp", "2", "--tp", "2", "--sp", "--async-tp", "--zero", "1"]),
     "pp2tp2_async": (4, ["--pp", "2", "--tp", "2", "--sp", "--async-tp", "--microbatches", "8"]),
     "pp2": (2, ["--pp", "2", "--microbatches", "8"]),
+    "pp2_interleaved": (2, ["--pp", "2", "--microbatches", "8", "--pp-schedule", "interleaved-1f1b", "--pp-virtual", "2"]),
+    "pp2_zb": (2, ["--pp", "2", "--microbatches", "8", "--pp-schedule", "zero-bubble", "--pp-virtual", "2"]),
     "pp4": (4, ["--pp", "4", "--microbatches", "8"]),
     "dp2pp2": (4, ["--dp", "2", "--pp", "2", "--microbatches", "8"]),
     "pp2tp2": (4, ["--pp", "2", "--tp", "2", "--sp", "--microbatches", "8"]),
@@ -159,6 +162,13 @@ def measure(name: str, recipe_flags: list[str], args) -> dict:
     if args.profile_steps:
         result["profile"] = profile(lambda i: step(*batches[i % len(batches)]), args.profile_steps, device,
                                     os.path.join(args.out, f"profile_{name}_w{world}_r{dist.get_rank()}.txt"))
+        par = config.parallel
+        if par.pp > 1:   # the bubble: the share of the step this rank's GPU computes nothing, each rank
+            idle = torch.tensor([1 - result["profile"]["compute_busy_ms"] / result["step_ms"]], device=device)
+            idles = [torch.zeros_like(idle) for _ in range(world)]
+            dist.all_gather(idles, idle)
+            result["bubble_measured"] = [round(float(t), 4) for t in idles]
+            result["bubble_predicted"] = bubble_fraction(par.pp_schedule, par.pp, trainer.microbatches, par.pp_virtual)
     trainer = batches = step = None    # the closures hold them too: drop every reference, then collect
     gc.collect()
     torch._dynamo.reset()
@@ -185,7 +195,9 @@ def profile(step, n: int, device, path: str) -> dict:
             step(i)
         sync(device)
     wall = (time.perf_counter() - t0) / n * 1e3
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    # kernels and copies only: record_function ranges (a collective's annotation) show on the GPU too
+    kernels = [e for e in prof.events()
+               if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
     by_kind = dict.fromkeys([k for k, _ in KINDS] + ["other"], 0.0)
     comm, compute = [], []
     for e in kernels:
@@ -200,7 +212,8 @@ def profile(step, n: int, device, path: str) -> dict:
     exposed = comm_total - _length(_intersect(_union(comm), _union(compute)))
     with open(path, "w") as f:
         f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
-    return {"wall_ms": wall, "gpu_busy_ms": busy / 1e3 / n, "comm_ms": comm_total / 1e3 / n,
+    return {"wall_ms": wall, "gpu_busy_ms": busy / 1e3 / n, "compute_busy_ms": _length(_union(compute)) / 1e3 / n,
+            "comm_ms": comm_total / 1e3 / n,
             "exposed_comm_ms": exposed / 1e3 / n, **{f"{k}_ms": v for k, v in by_kind.items()}}
 
 

@@ -37,3 +37,15 @@ def check_decoder_layout(degrees: dict[str, int], parallel, seq_len: int, *, n_l
     if ep > 1 and (n_experts == 0 or n_experts % ep):
         raise ValueError(f"ep={ep} needs a mixture-of-experts model whose expert count it divides "
                          f"(this model has {n_experts} experts)")
+
+
+def head_cost(cfg) -> float:
+    """The output head's matmul work in layers: vocab x dim weights against a layer's
+    (active) matmul weights, from the model's own FLOP count. The embedding's lookup
+    costs next to nothing and weighs 0. A pipeline balanced on these costs keeps
+    the last stage from waiting on a head as large as several layers (the GPT 1.3B's
+    is two, llama-1B's four)."""
+    head = cfg.vocab_size * cfg.dim
+    per_layer = (cfg.flops_per_token(0) / 6 - head) / cfg.n_layers
+    return head / per_layer
+

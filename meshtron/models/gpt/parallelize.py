@@ -23,7 +23,7 @@ from meshtron.distributed.tensor_parallel import (
     tp_mesh_of,
     vocab_parallel,
 )
-from meshtron.models.common.layout import check_decoder_layout
+from meshtron.models.common.layout import check_decoder_layout, head_cost
 from meshtron.models.common.moe import MoE
 
 
@@ -97,10 +97,11 @@ def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig
 
 
 def pipeline_split(cfg, n_stages: int) -> list[list[str]]:
-    """Layers balanced by cost, the embedding and the head (with the loss) weighing
-    one layer each; the embeddings go to the first stage, the final norm and the
-    head to the last."""
-    stages = [[f"layers.{i}" for i in ids] for ids in split_layers(cfg.n_layers, n_stages)]
+    """Layers balanced by matmul work, the head weighing what its matmul does
+    (models.common.layout.head_cost); the embeddings go to the first stage, the
+    final norm and the head to the last."""
+    split = split_layers(cfg.n_layers, n_stages, embed_cost=0.0, head_cost=head_cost(cfg))
+    stages = [[f"layers.{i}" for i in ids] for ids in split]
     stages[0] = ["tok_embeddings"] + (["pos_embeddings"] if cfg.pos_emb == "learned" else []) + stages[0]
     stages[-1] = stages[-1] + ["norm", "output"]
     return stages

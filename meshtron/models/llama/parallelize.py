@@ -23,7 +23,7 @@ from meshtron.distributed.tensor_parallel import (
     tp_mesh_of,
     vocab_parallel,
 )
-from meshtron.models.common.layout import check_decoder_layout
+from meshtron.models.common.layout import check_decoder_layout, head_cost
 from meshtron.models.common.moe import MoE
 
 
@@ -88,8 +88,10 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConf
 
 
 def pipeline_split(cfg, n_stages: int) -> list[list[str]]:
-    """Layers balanced by cost (the embedding and the head weigh one layer each)."""
-    stages = [[f"layers.{i}" for i in ids] for ids in split_layers(cfg.n_layers, n_stages)]
+    """Layers balanced by matmul work, the head weighing what its matmul does
+    (models.common.layout.head_cost)."""
+    split = split_layers(cfg.n_layers, n_stages, embed_cost=0.0, head_cost=head_cost(cfg))
+    stages = [[f"layers.{i}" for i in ids] for ids in split]
     stages[0] = ["tok_embeddings"] + stages[0]
     stages[-1] = stages[-1] + ["norm", "output"]
     return stages
