@@ -52,7 +52,8 @@ LAYOUTS = {  # name: (GPUs, recipe flags); bf16 compute, fp32 master weights and
     "tp2dp2_async": (4, ["--dp", "2", "--tp", "2", "--sp", "--async-tp", "--zero", "1"]),
     "pp2tp2_async": (4, ["--pp", "2", "--tp", "2", "--sp", "--async-tp", "--microbatches", "8"]),
     "pp2": (2, ["--pp", "2", "--microbatches", "8"]),
-    "pp2_interleaved": (2, ["--pp", "2", "--microbatches", "8", "--pp-schedule", "interleaved-1f1b", "--pp-virtual", "2"]),
+    "pp2_interleaved": (2, ["--pp", "2", "--microbatches", "8", "--pp-schedule", "interleaved-1f1b",
+                            "--pp-virtual", "2"]),
     "pp2_zb": (2, ["--pp", "2", "--microbatches", "8", "--pp-schedule", "zero-bubble", "--pp-virtual", "2"]),
     "pp4": (4, ["--pp", "4", "--microbatches", "8"]),
     "dp2pp2": (4, ["--dp", "2", "--pp", "2", "--microbatches", "8"]),
@@ -81,7 +82,17 @@ def _sac_save_sdpa():
                         aten._scaled_dot_product_cudnn_attention.default}
 
 
+def _split_even():
+    """The pipeline split before it weighed the head by its matmul work (embedding and head one layer each)."""
+    from meshtron.distributed import pipeline_parallel
+    from meshtron.models.gpt import parallelize as gpt
+    from meshtron.models.llama import parallelize as llama
+    for module in (gpt, llama):
+        module.split_layers = lambda n, stages, **_: pipeline_parallel.split_layers(n, stages)
+
+
 EXPERIMENTS = {  # code paths other than the shipped ones (replaced or proposed), measured against them in one run
+    "split-even": _split_even,
     "sac-save-sdpa": _sac_save_sdpa,
     "rope-fp32": lambda: setattr(__import__("meshtron.models.llama.model", fromlist=["x"]), "apply_rope", _rope_fp32),
     "repeat-kv": lambda: setattr(__import__("meshtron.models.llama.model", fromlist=["x"]).CoreAttention,

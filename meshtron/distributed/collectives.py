@@ -55,23 +55,29 @@ def _nbytes(x) -> int:
     return sum(_nbytes(t) for t in x)
 
 
-def group_names(mesh: DeviceMesh) -> dict[str, str]:
-    """Process-group name -> the mesh axes it spans, the size-1 ones left out
-    ("dp+cp"), or the HSDP dimension ("dp_replicate", "dp_shard"). Only groups
-    already made are named: making one is a collective of its own."""
+def _ranks(group) -> tuple[int, ...]:
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def group_names(mesh: DeviceMesh) -> dict[tuple[int, ...], str]:
+    """The ranks of a process group -> the mesh axes it spans, the size-1 ones left
+    out ("dp+cp"), or the HSDP dimension ("dp_replicate", "dp_shard"). Keyed by
+    ranks, not by group: DTensor's caches compare meshes by layout, so a collective
+    may run on the group of an equal mesh built earlier. Only groups already made
+    are named: making one is a collective of its own."""
     names = {}
     for key, sub in mesh.__dict__.get("_meshtron_flat", {}).items():
         if key in SUBMESHES:
             label = "+".join(a for a in SUBMESHES[key] if degree(mesh, a) > 1)
             if sub.size() > 1:
-                names[sub.get_group().group_name] = label
+                names[_ranks(sub.get_group())] = label
         else:   # data_parallel.dp_mesh_for's 2-D HSDP / DDP mesh
             for dim in sub.mesh_dim_names:
                 if sub[dim].size() > 1:
-                    names[sub[dim].get_group().group_name] = dim
+                    names[_ranks(sub[dim].get_group())] = dim
     for name in AXES:
         if degree(mesh, name) > 1:
-            names[mesh[name].get_group().group_name] = name
+            names[_ranks(mesh[name].get_group())] = name
     return names
 
 
@@ -89,9 +95,10 @@ class CollectiveCounter(TorchDispatchMode):
         if spec is not None:
             kind, data, group = spec
             group = args[group]
-            # c10d ops carry the group boxed as a TorchScript object
-            name = group if isinstance(group, str) else dist.ProcessGroup.unbox(group).group_name
-            key = (kind, self.names.get(name, name))
+            # functional collectives name the group; c10d ops carry it boxed as a TorchScript object
+            pg = dist.distributed_c10d._resolve_process_group(group) if isinstance(group, str) \
+                else dist.ProcessGroup.unbox(group)
+            key = (kind, self.names.get(_ranks(pg), pg.group_name))
             self.calls[key] += 1
             self.bytes[key] += _nbytes(args[data])
         return func(*args, **(kwargs or {}))

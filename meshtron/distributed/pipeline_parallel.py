@@ -227,6 +227,12 @@ class Pipeline:
         for stage in stages:
             _keep_buffers_through_shape_inference(stage)
         cls = SCHEDULES[self.schedule_name]
+        if self.schedule_name in ("zero-bubble", "zbv"):
+            # these run each micro-batch's backward in two passes (input, then weight
+            # gradients) over a retained graph; a compiled block must keep its saved
+            # buffers for the second (functorch's switch is process-wide)
+            import torch._functorch.config as functorch_config
+            functorch_config.donated_buffer = False
         self.loss_fn = loss_fn
         self.schedule = cls(stages if self.schedule_name in MULTI_STAGE else stages[0], self.microbatches,
                             loss_fn=self._scaled_loss, scale_grads=False)

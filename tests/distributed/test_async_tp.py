@@ -46,7 +46,8 @@ def _ops(rank, world):
     (sum((y * gy).sum() for y, gy in zip(ref_ys, g_ys)) + (ref[0] * g_x_full).sum()).backward()
     x_shard, w_shards = mine(x, 1), [mine(w, 0) for w in ws]
     x_full, *ys = all_gather_matmul(x_shard, w_shards, group)
-    (sum((y * mine(gy, 2).detach()).sum() for y, gy in zip(ys, g_ys)) + (x_full * g_x_full / world).sum()).backward()   # each replica adds its share
+    # each replica of the gathered x adds its share of g_x_full
+    (sum((y * mine(gy, 2).detach()).sum() for y, gy in zip(ys, g_ys)) + (x_full * g_x_full / world).sum()).backward()
     compare("gathered x", x_full, x)
     for y, ry, w, rw in zip(ys, ref_ys, w_shards, ref[1:]):
         compare("y", y, mine(ry.detach(), 2))
@@ -131,3 +132,4 @@ def _compiled_on_cpu(rank, world):
     cfg = gpt_config("tiny", n_layers=1, n_heads=4, dim=64)
     with pytest.raises(ValueError, match="need CUDA"):
         layout(ParallelConfig(sp=True, async_tp=True, compile=True))(GPT(cfg, seed=0), mesh(tp=world))
+
