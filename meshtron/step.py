@@ -24,7 +24,6 @@ from meshtron.distributed.data_parallel import set_grad_sync
 from meshtron.distributed.mesh import degree
 from meshtron.distributed.pipeline_parallel import Pipeline
 from meshtron.distributed.reduce import clip_grad_norm_, sum_over
-from meshtron.distributed.tensor_parallel import loss_context as tp_loss_context
 from meshtron.loss import IGNORE_INDEX, cross_entropy_sum, logits_of, loss_function
 from meshtron.models.common.moe import end_step, moe_blocks
 
@@ -69,10 +68,9 @@ def forward_backward(parts: list[nn.Module], x: torch.Tensor, y: torch.Tensor, m
 
 
 def losses(mesh: DeviceMesh, par, device: torch.device):
-    """(loss function, the context it runs in) for the layout: vocab-parallel
-    cross-entropy under loss_parallel while tp shards the logits."""
-    tp = degree(mesh, "tp")
-    return loss_function(device, tp > 1 and par.loss_parallel), tp_loss_context(tp, par.loss_parallel)
+    """(loss function, the context it runs in) for the layout; the loss computes
+    vocab-parallel cross-entropy itself where tp shards the logits."""
+    return loss_function(device, degree(mesh, "tp") > 1 and par.loss_parallel), contextlib.nullcontext
 
 
 def gradients(parts: list[nn.Module], x: torch.Tensor, y: torch.Tensor, mesh: DeviceMesh, pipeline: Pipeline | None,

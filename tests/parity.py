@@ -182,6 +182,4 @@ def pipelined(pcfg, spec, cfg, microbatches: int = 2, schedule: str = "1f1b"):
 
 def fb_kwargs(mesh, pcfg) -> dict:
     """What the trainer passes forward_backward for this layout."""
-    from meshtron.distributed.mesh import degree
-    from meshtron.distributed.tensor_parallel import loss_context
-    return {"loss_context": loss_context(degree(mesh, "tp"), pcfg.loss_parallel), "zero": pcfg.zero}
+    return {"zero": pcfg.zero}

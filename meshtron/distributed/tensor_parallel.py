@@ -7,7 +7,8 @@ Megatron's layers as DTensor placements (W is split over p = tp ranks):
                                                 or reduce-scattered onto the sequence (SP)
   sequence-par.    LayerNorm / dropout on (B, T/p, d) slices, replicated weights
   vocab-parallel   embedding rows Shard(0): local lookup, then all-reduce / reduce-scatter
-  loss parallel    cross-entropy on vocab-sharded logits (3 small all-reduces of (B, T))
+  loss parallel    cross-entropy on vocab-sharded logits (3 small all-reduces of (B, T)):
+                   meshtron.distributed.loss_parallel
 
 Per transformer layer, forward: without SP one all-reduce per block (2 per
 layer); with SP one all-gather before each column-parallel linear and one
@@ -22,7 +23,6 @@ stock AdamW (foreach / fused), clip_grad_norm_ and DCP work unchanged.
 """
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 from functools import partial
 
@@ -35,7 +35,6 @@ from torch.distributed.tensor.parallel import (
     ParallelStyle,
     RowwiseParallel,
     SequenceParallel,
-    loss_parallel,
 )
 from torch.distributed.tensor.parallel import parallelize_module as _torch_parallelize_module
 
@@ -259,10 +258,3 @@ def cast_output_to_autocast_dtype(modules) -> None:
             return out.to(torch.get_autocast_dtype(device))
     for m in modules:
         m.register_forward_hook(hook)
-
-
-def loss_context(tp: int, vocab_sharded: bool):
-    """The context the loss must run in: `loss_parallel` while the logits are
-    vocab-sharded DTensors (cross-entropy then needs 3 all-reduces of (B, T)
-    over tp instead of an all-gather of the (B, T, vocab) logits)."""
-    return loss_parallel if tp > 1 and vocab_sharded else contextlib.nullcontext

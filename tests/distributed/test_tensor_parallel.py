@@ -248,3 +248,36 @@ def test_sp_all_gathers_move_the_compute_dtype(pools):
     for name, (dtype, shape) in seen.items():
         assert dtype == torch.bfloat16 and shape[1] == 16, (name, dtype, shape)   # the whole sequence, in bf16
     assert losses[1] == pytest.approx(losses[0], rel=1e-2), losses           # bf16 rounding, reduction order
+
+
+def _vocab_parallel_ce(rank, world):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from meshtron.loss import IGNORE_INDEX, cross_entropy_sum
+    m = mesh(tp=world)["tp"]
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 7, 12 * world, generator=g, dtype=torch.float64) * 4
+    targets = torch.randint(0, 12 * world, (3, 7), generator=g)
+    targets[0, :5] = IGNORE_INDEX
+    ref = logits.clone().requires_grad_()
+    want = torch.nn.functional.cross_entropy(ref.flatten(0, 1), targets.flatten(), reduction="sum",
+                                             ignore_index=IGNORE_INDEX)
+    want.backward()
+    sharded = distribute_tensor(logits.clone(), m, [Shard(2)]).requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
+                                                  lambda t: t):
+        got = cross_entropy_sum(sharded, targets)
+    got.backward()
+    grad = sharded.grad.full_tensor()
+    local = logits.numel() // world * 8
+    return (float((got - want).abs() / want.abs()), float((grad - ref.grad).norm() / ref.grad.norm()),
+            sum(saved) - local, 3 * 21 * 8)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_vocab_parallel_cross_entropy_matches_and_keeps_only_the_logits(pools, world):
+    for loss_err, grad_err, saved_beyond_logits, vectors in pools.run(world, _vocab_parallel_ce):
+        assert loss_err < 1e-12 and grad_err < 1e-12, (loss_err, grad_err)
+        # besides this rank's logits: the targets' local index, two masks and the log-sum-exp, (N,) each
+        assert saved_beyond_logits <= vectors, saved_beyond_logits
