@@ -89,19 +89,22 @@ def collective_s(kind: str, nbytes: float, n: int, link: tuple[float, float]) ->
     return alpha * (n - 1 if kind != "p2p" else 1) + nbytes * factor / bw
 
 
-def _layer_elements(cfg) -> tuple[float, float]:
-    """Elements per token one layer saves for backward with flash attention and no
-    dropout: (replicated under TP without SP, split by TP). Replicated: the inputs
-    of the two norms and of the two column-parallel matmuls. Split: Q, K, V (K and
-    V at the kv heads' width), the output projection's input and the MLP's: the
-    activation's input and output (GeLU), or gate, up and their product (SwiGLU);
-    a mixture of experts runs top_k experts (and its shared ones) per token."""
+def _layer_elements(cfg, t: int, sp: bool) -> float:
+    """Elements per token one layer saves for backward on a tp rank, with flash
+    attention and no dropout. The inputs of the two norms (split over tp by SP) and
+    of the two column-parallel matmuls: those stay whole, since autograd keeps the
+    gathered input of each (Megatron keeps the shard and gathers it again in
+    backward); Q, K, V (K and V at the kv heads' width), the output projection's
+    input and the MLP's: the activation's input and output (GeLU), or gate, up and
+    their product (SwiGLU), split over tp; a mixture of experts runs top_k experts
+    (and its shared ones) per token."""
     h = cfg.dim
     kv = getattr(cfg, "n_kv_heads", cfg.n_heads) * (h // cfg.n_heads)
     moe = getattr(cfg, "moe", None)
     swiglu = moe.activation == "swiglu" if moe else hasattr(cfg, "ffn_dim")
     width = (moe.top_k + moe.n_shared) * moe.hidden if moe else (cfg.ffn_dim if swiglu else cfg.ffn_mult * h)
-    return 4 * h, 2 * h + 2 * kv + (3 if swiglu else 2) * width
+    split = 2 * h + 2 * kv + (3 if swiglu else 2) * width
+    return 2 * h / (t if sp else 1) + 2 * h + split / t
 
 
 def activation_bytes(cfg, par: ParallelConfig, micro_batch: int, seq_len: int, layers: int) -> float:
@@ -109,8 +112,7 @@ def activation_bytes(cfg, par: ParallelConfig, micro_batch: int, seq_len: int, l
     and the fp32 log-probabilities cross-entropy keeps for its backward."""
     d = par.degrees()
     tokens, h, t = micro_batch * seq_len / d["cp"], cfg.dim, d["tp"]
-    replicated, split = _layer_elements(cfg)
-    full = 2 * tokens * (replicated / (t if par.sp else 1) + split / t)
+    full = 2 * tokens * _layer_elements(cfg, t, par.sp)
     if par.recompute == "full":   # each layer's input, and one layer's activations while it is recomputed
         held = 2 * tokens * h / (t if par.sp else 1) * layers + full
     elif par.recompute == "selective":   # Korthikanti et al.: the matmul outputs stay, the rest is recomputed
@@ -136,8 +138,7 @@ def compute_s(cfg, par: ParallelConfig, tokens: int, seq_len: int, hw: Hardware,
     matmul = cfg.flops_per_token(seq_len) * tokens / shard - attention
     if par.recompute == "full":
         matmul, attention = matmul * 4 / 3, attention * 4 / 3
-    replicated, split = _layer_elements(cfg)
-    elementwise = 3 * 2 * tokens / d["cp"] * (replicated / (d["tp"] if par.sp else 1) + split / d["tp"]) * layers
+    elementwise = 3 * 2 * tokens / d["cp"] * _layer_elements(cfg, d["tp"], par.sp) * layers
     optimizer = 28 * cfg.num_params() / math.prod(d.values())
     efficiency = hw.matmul_at(tokens / d["cp"] if gemm_tokens is None else gemm_tokens)
     return (matmul / (hw.peak_flops * efficiency) + attention / 2 / (hw.peak_flops * hw.attention_efficiency)
