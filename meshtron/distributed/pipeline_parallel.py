@@ -248,6 +248,9 @@ class Pipeline:
         losses = []
         args = (x,) if self.has_first else ()
         kwargs = {"target": y, "losses": losses} if self.has_last else {}
+        if self.has_last and "return_outputs" in inspect.signature(self.schedule.step).parameters:
+            # else the last stage keeps every micro-batch's logits until the step ends
+            kwargs["return_outputs"] = False
         self.schedule.step(*args, **kwargs)
         self.tied.sum_grads(self._by_stage(), reduce_partial_grads)
         losses = [(t.full_tensor() if isinstance(t, DTensor) else t).detach().float() for t in losses]

@@ -175,3 +175,18 @@ def test_the_split_weighs_the_head_by_its_matmul_work():
         assert head_cost(cfg) == pytest.approx(cost, abs=0.01)
         stages = spec.pipeline_split(cfg, len(split))
         assert [sum(n.startswith("layers.") for n in s) for s in stages] == split
+
+
+def _outputs_kept(rank, world, schedule, v):
+    me = mesh(dp=1, pp=world)
+    pipe = pipeline(GPT(CFG, seed=0), me, schedule, v, 4, ParallelConfig())
+    x, y = tiny_batches(CFG.vocab_size, steps=1, batch=8, seq=16)[0]
+    pipe.step(x, y)
+    stages = getattr(pipe.schedule, "_stages", None) or [pipe.schedule._stage]
+    return sum(len(s.output_chunks) for s in stages)
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved-1f1b", 2)])
+def test_the_last_stage_keeps_no_micro_batch_logits_through_the_step(pools, schedule, v):
+    # torch keeps each micro-batch's output to return them merged; the loss is all the trainer needs
+    assert pools.run(2, _outputs_kept, schedule, v) == [0, 0]
