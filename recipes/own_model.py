@@ -16,7 +16,6 @@ import meshtron  # noqa: E402
 from meshtron.data import BatchLoader, load_tokens  # noqa: E402
 from meshtron.distributed.mesh import batch_slice  # noqa: E402
 from meshtron.distributed.reduce import clip_grad_norm_  # noqa: E402
-from meshtron.distributed.tensor_parallel import loss_context  # noqa: E402
 from meshtron.optim import build_optimizer  # noqa: E402
 from meshtron.step import forward_backward  # noqa: E402
 from meshtron.trainer import init_process_group  # noqa: E402
@@ -45,7 +44,7 @@ def main():
     loader = BatchLoader(load_tokens(None, 320), seq_len=32, global_batch=8, dp_rank=index, dp_size=count)
     for step in range(1, 13):
         x, y = loader.next()
-        loss = forward_backward([model], x, y, mesh, zero=config.zero, loss_context=loss_context(2, False))
+        loss = forward_backward([model], x, y, mesh, zero=config.zero)
         norm = clip_grad_norm_(model.parameters(), 1.0, mesh)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
