@@ -21,19 +21,16 @@ import sys
 import tomllib
 from dataclasses import dataclass, field
 
+import torch
+
 from meshtron.distributed.data_parallel import DTYPES
 from meshtron.distributed.mesh import AXES
 from meshtron.distributed.pipeline_parallel import SCHEDULES
 from meshtron.distributed.recompute import MODES
 
 
-def torch_version() -> str:
-    import torch
-    return torch.__version__
-
-
 def _torch_before(major: int, minor: int) -> bool:
-    return tuple(int(v) for v in torch_version().split(".")[:2]) < (major, minor)
+    return tuple(int(v) for v in torch.__version__.split(".")[:2]) < (major, minor)
 
 
 class ConfigError(ValueError):
@@ -243,8 +240,8 @@ class Config:
             raise ConfigError("--sp (sequence parallelism) shards the sequence over tp ranks: it needs --tp > 1")
         if p.compile and p.pp > 1 and p.pp_schedule in ("zero-bubble", "zbv") and _torch_before(2, 13):
             raise ConfigError(f"--pp-schedule {p.pp_schedule} with --compile needs torch 2.13 or later: the split "
-                              f"backward of torch {torch_version()} fails inside compiled blocks; use interleaved-1f1b "
-                              "or leave out --compile")
+                              f"backward of torch {torch.__version__} fails inside compiled blocks; use "
+                              "interleaved-1f1b or leave out --compile")
         if p.async_tp and not p.sp:
             raise ConfigError("--async-tp overlaps sequence parallelism's all-gathers and reduce-scatters with "
                               "the matmuls: it needs --sp (and --tp > 1)")

@@ -29,7 +29,7 @@ from meshtron.distributed.mesh import init_mesh
 from meshtron.distributed.tied import materialize
 from meshtron.layout import build_model, resolve_layout
 from meshtron.state import state_bytes
-from meshtron.step import gradients, losses, moe_end_step
+from meshtron.step import gradients, layout_loss, moe_end_step
 
 GiB = 2 ** 30
 
@@ -79,11 +79,11 @@ def _dry_run_rank(config, world: int, rank: int):
         with FakeTensorMode(allow_non_fake_inputs=True):
             for m in parts:
                 materialize(m, "cpu")
-            loss_fn, loss_context = losses(mesh, config.parallel, torch.device("cpu"))
+            loss_fn = layout_loss(mesh, config.parallel, torch.device("cpu"))
             tokens = torch.zeros(global_batch // (degrees["dp"] * degrees["ep"]), config.training.seq_len,
                                  dtype=torch.long)
             with CollectiveCounter(mesh) as count:
-                gradients(parts, tokens, tokens, mesh, None, config, microbatches, loss_fn, loss_context)
+                gradients(parts, tokens, tokens, mesh, None, config, microbatches, loss_fn)
                 if getattr(mc, "moe", None) is not None:
                     moe_end_step(parts, mesh)
         return state, dict(count.bytes)

@@ -33,7 +33,7 @@ def _value(t: torch.Tensor) -> torch.Tensor:
 
 
 def forward_backward(parts: list[nn.Module], x: torch.Tensor, y: torch.Tensor, mesh: DeviceMesh | None, *,
-                     microbatches: int = 1, loss_fn=cross_entropy_sum, loss_context=contextlib.nullcontext,
+                     microbatches: int = 1, loss_fn=cross_entropy_sum,
                      zero: int = 1, pipeline: Pipeline | None = None,
                      autocast: torch.dtype | None = None) -> torch.Tensor:
     """Forward and backward of one step over this rank's part (x, y) of the global
@@ -51,34 +51,32 @@ def forward_backward(parts: list[nn.Module], x: torch.Tensor, y: torch.Tensor, m
     scale = n_dp / n_tokens.clamp_min(1)        # FSDP divides the summed gradients by n_dp
     for moe in moe_blocks(parts):               # each micro-batch's aux loss weighs 1/micro-batches
         moe.aux_grad_scale = n_dp / (pipeline.microbatches if pipeline is not None else microbatches)
-    with loss_context():
-        if pipeline is not None:
-            total = sum_over(pipeline.step(x, y, scale), mesh, "pp")
-        else:
-            model, total = parts[0], torch.zeros((), device=device)
-            amp = torch.autocast(device.type, dtype=autocast) if autocast else contextlib.nullcontext()
-            for i, (xs, ys) in enumerate(zip(x.chunk(microbatches), y.chunk(microbatches))):
-                set_grad_sync(model, zero, i == microbatches - 1)
-                with amp:
-                    logits = logits_of(model(xs))
-                loss = loss_fn(logits, ys) * scale
-                loss.backward()
-                total += _value(loss)
+    if pipeline is not None:
+        total = sum_over(pipeline.step(x, y, scale), mesh, "pp")
+    else:
+        model, total = parts[0], torch.zeros((), device=device)
+        amp = torch.autocast(device.type, dtype=autocast) if autocast else contextlib.nullcontext()
+        for i, (xs, ys) in enumerate(zip(x.chunk(microbatches), y.chunk(microbatches))):
+            set_grad_sync(model, zero, i == microbatches - 1)
+            with amp:
+                logits = logits_of(model(xs))
+            loss = loss_fn(logits, ys) * scale
+            loss.backward()
+            total += _value(loss)
     return sum_over(total, mesh, "loss") / n_dp
 
 
-def losses(mesh: DeviceMesh, par, device: torch.device):
-    """(loss function, the context it runs in) for the layout; the loss computes
-    vocab-parallel cross-entropy itself where tp shards the logits."""
-    return loss_function(device, degree(mesh, "tp") > 1 and par.loss_parallel), contextlib.nullcontext
+def layout_loss(mesh: DeviceMesh, par, device: torch.device):
+    """The loss function for the layout (vocab-parallel cross-entropy where tp shards the logits)."""
+    return loss_function(device, degree(mesh, "tp") > 1 and par.loss_parallel)
 
 
 def gradients(parts: list[nn.Module], x: torch.Tensor, y: torch.Tensor, mesh: DeviceMesh, pipeline: Pipeline | None,
-              config, microbatches: int, loss_fn, loss_context) -> tuple[torch.Tensor, torch.Tensor]:
+              config, microbatches: int, loss_fn) -> tuple[torch.Tensor, torch.Tensor]:
     """forward_backward, then the global gradient norm and clipping to --max-norm:
     (loss, norm) as device tensors."""
     loss = forward_backward(parts, x, y, mesh, microbatches=microbatches, loss_fn=loss_fn,
-                            loss_context=loss_context, zero=config.parallel.zero, pipeline=pipeline)
+                            zero=config.parallel.zero, pipeline=pipeline)
     norm_params = pipeline.norm_parameters() if pipeline is not None else None
     norm = clip_grad_norm_([p for m in parts for p in m.parameters()], config.training.max_norm or None,
                            mesh, norm_params)

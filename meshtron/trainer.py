@@ -46,7 +46,7 @@ from meshtron.layout import build_model, resolve_layout
 from meshtron.loss import IGNORE_INDEX, logits_of
 from meshtron.metrics import RunLog, Throughput, peak_memory_gib
 from meshtron.optim import build_optimizer, warmup_cosine
-from meshtron.step import _value, gradients, losses, moe_end_step
+from meshtron.step import _value, gradients, layout_loss, moe_end_step
 
 
 def init_process_group(timeout_s: float) -> None:
@@ -102,7 +102,7 @@ class Trainer:
             weights = c.checkpoint.init_from_hf or c.checkpoint.import_safetensors
             if weights:
                 hf.import_safetensors(self.parts, weights, mc, self.spec.hf)
-        self.loss_fn, self.loss_context = losses(self.mesh, par, self.device)
+        self.loss_fn = layout_loss(self.mesh, par, self.device)
         self.moe_stats = None   # the last step's routing statistics (mixture-of-experts models)
         if self.pipeline is not None:
             self.pipeline.build_schedule(self.loss_fn)
@@ -151,7 +151,7 @@ class Trainer:
         """One optimizer step on this rank's part of a global batch; (loss, grad norm)
         as device tensors (reading them syncs the GPU)."""
         loss, norm = gradients(self.parts, x, y, self.mesh, self.pipeline, self.config, self.microbatches,
-                               self.loss_fn, self.loss_context)
+                               self.loss_fn)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -173,12 +173,11 @@ class Trainer:
             if degree(self.mesh, "cp") > 1:
                 x, y = shard_sequence(x, self.mesh), shard_sequence(y, self.mesh)
             count = count + sum_over((y != IGNORE_INDEX).sum().float(), self.mesh, "loss")
-            with self.loss_context():
-                if self.pipeline is not None:
-                    s = sum_over(self.pipeline.evaluate(x, y), self.mesh, "pp")
-                else:
-                    s = sum(_value(self.loss_fn(logits_of(self.parts[0](xs)), ys))
-                            for xs, ys in zip(x.chunk(self.microbatches), y.chunk(self.microbatches)))
+            if self.pipeline is not None:
+                s = sum_over(self.pipeline.evaluate(x, y), self.mesh, "pp")
+            else:
+                s = sum(_value(self.loss_fn(logits_of(self.parts[0](xs)), ys))
+                        for xs, ys in zip(x.chunk(self.microbatches), y.chunk(self.microbatches)))
             total = total + sum_over(s, self.mesh, "loss")
         reshard(self.parts)
         for m in self.parts:

@@ -236,6 +236,9 @@ class Pipeline:
         self.loss_fn = loss_fn
         self.schedule = cls(stages if self.schedule_name in MULTI_STAGE else stages[0], self.microbatches,
                             loss_fn=self._scaled_loss, scale_grads=False)
+        # else the last stage keeps every micro-batch's logits until the step ends (older torch cannot say so)
+        self._step_options = {} if "return_outputs" not in inspect.signature(self.schedule.step).parameters \
+            else {"return_outputs": False}
 
     def _scaled_loss(self, output, target):
         return self.loss_fn(output, target) * self.loss_scale
@@ -247,10 +250,7 @@ class Pipeline:
         self.loss_scale = loss_scale
         losses = []
         args = (x,) if self.has_first else ()
-        kwargs = {"target": y, "losses": losses} if self.has_last else {}
-        if self.has_last and "return_outputs" in inspect.signature(self.schedule.step).parameters:
-            # else the last stage keeps every micro-batch's logits until the step ends
-            kwargs["return_outputs"] = False
+        kwargs = {"target": y, "losses": losses, **self._step_options} if self.has_last else {}
         self.schedule.step(*args, **kwargs)
         self.tied.sum_grads(self._by_stage(), reduce_partial_grads)
         losses = [(t.full_tensor() if isinstance(t, DTensor) else t).detach().float() for t in losses]

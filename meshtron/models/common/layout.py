@@ -48,4 +48,3 @@ def head_cost(cfg) -> float:
     head = cfg.vocab_size * cfg.dim
     per_layer = (cfg.flops_per_token(0) / 6 - head) / cfg.n_layers
     return head / per_layer
-
