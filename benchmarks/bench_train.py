@@ -134,10 +134,17 @@ def measure(name: str, recipe_flags: list[str], args) -> dict:
         def step(x, y):
             with sdpa_kernel(order, set_priority=True):
                 return trainer.step(x, y)
-    losses = []
+    if args.sync_steps:   # the host waits for each step: a race that needs the CPU ahead shows as a changed loss
+        unsynced = step
+
+        def step(x, y):
+            out = unsynced(x, y)
+            sync(device)
+            return out
+    trace = []   # (loss, grad norm) of every step, as device tensors: read after the timing
     t0 = time.perf_counter()
     for i in range(args.warmup):
-        losses.append(float(step(*batches[i % len(batches)])[0]))
+        trace.append(step(*batches[i % len(batches)]))
     sync(device)
     warmup_s = time.perf_counter() - t0
     rounds = []
@@ -145,10 +152,10 @@ def measure(name: str, recipe_flags: list[str], args) -> dict:
         sync(device)
         t0 = time.perf_counter()
         for i in range(args.steps):
-            loss, _ = step(*batches[i % len(batches)])
+            trace.append(step(*batches[i % len(batches)]))
         sync(device)
         rounds.append((time.perf_counter() - t0) / args.steps)
-    losses.append(float(loss))
+    losses, norms = ([round(float(t[k]), 5) for t in trace] for k in (0, 1))
     step_s = statistics.median(rounds)
     cuda = device.type == "cuda"
     mem = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
@@ -166,10 +173,12 @@ def measure(name: str, recipe_flags: list[str], args) -> dict:
                   step_ms_rounds=[r * 1e3 for r in rounds], tokens_per_s_per_gpu=tps_gpu,
                   tflops_per_gpu=tps_gpu * flops / 1e12, mfu=tps_gpu * flops / 1e12 / peak if peak else None,
                   peak_mem_gib=mem, peak_reserved_gib=reserved, build_s=build_s, warmup_s=warmup_s,
-                  loss_first=losses[0], loss_last=losses[-1],
+                  loss_first=losses[0], loss_last=losses[-1], losses=losses, grad_norms=norms,
                   params=trainer.model_config.num_params(),
                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   torch=torch.__version__)
+    if args.check_replicas:
+        result["replica_spread"] = replica_spread(trainer.parts)
     if args.profile_steps:
         result["profile"] = profile(lambda i: step(*batches[i % len(batches)]), args.profile_steps, device,
                                     os.path.join(args.out, f"profile_{name}_w{world}_r{dist.get_rank()}.txt"))
@@ -186,6 +195,26 @@ def measure(name: str, recipe_flags: list[str], args) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def replica_spread(parts) -> dict:
+    """Every parameter replicated over a mesh axis whose copies on that axis' ranks
+    differ, with the largest difference (a correct layout keeps them bit-equal)."""
+    from torch.distributed.tensor import DTensor
+    spread = {}
+    for name, p in ((n, p) for m in parts for n, p in m.named_parameters()):
+        if not isinstance(p, DTensor):
+            continue
+        for axis, placement in enumerate(p.placements):
+            if placement.is_replicate() and p.device_mesh.size(axis) > 1:
+                group = p.device_mesh.get_group(axis)
+                hi, lo = p.to_local().detach().float(), p.to_local().detach().float()
+                dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+                dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+                worst = float((hi - lo).abs().max())
+                if worst > 0:
+                    spread[f"{name}@{p.device_mesh.mesh_dim_names[axis]}"] = worst
+    return spread
 
 
 KINDS = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "attention", "sdpa")),   # before gemm: cuDNN's
@@ -303,6 +332,9 @@ def main():
     p.add_argument("--profile-steps", type=int, default=0, help="then profile this many steps: kernel time by kind")
     p.add_argument("--sdpa", default="default", choices=["default", "cudnn", "flash"],
                    help="attention backend preferred around each step (an experiment's knob)")
+    p.add_argument("--sync-steps", action="store_true", help="synchronize the GPU after every step")
+    p.add_argument("--check-replicas", action="store_true",
+                   help="after the run, report parameters whose replicas differ across ranks")
     p.add_argument("--experiment", default="", help="comma list of EXPERIMENTS to patch in (measurements only)")
     p.add_argument("--out", default=".")
     p.add_argument("--summarize", default=None, help="print the table of a results.jsonl")
@@ -318,14 +350,22 @@ def main():
     init_process_group(600)
     world = dist.get_world_size()
     os.makedirs(args.out, exist_ok=True)
+    compiled = False
     for name in args.layouts.split(","):
         if flags_of(name)[0] != world:
             continue
-        try:
-            result = measure(name, recipe_flags, args)
-        except Exception as e:  # noqa: BLE001 - record and go on with the next layout
-            result = dict(layout=name, world=world, error=f"{type(e).__name__}: {e}")
-            forget()
+        if compiled and "async" in name and name.endswith("_compile"):
+            # measured on torch 2.11: built after a plain compiled layout in one process,
+            # async TP's first gradients differed from its own run alone (RESULTS.md)
+            result = dict(layout=name, world=world, error="a compiled async-TP layout must be the first compiled "
+                          "layout of its process: give it its own torchrun")
+        else:
+            try:
+                result = measure(name, recipe_flags, args)
+            except Exception as e:  # noqa: BLE001 - record and go on with the next layout
+                result = dict(layout=name, world=world, error=f"{type(e).__name__}: {e}")
+                forget()
+            compiled |= name.endswith("_compile")
         record(result, os.path.join(args.out, "results.jsonl"))
     dist.destroy_process_group()
 

@@ -35,14 +35,20 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Pr
 from torch.overrides import TorchFunctionMode
 
 
+def compile_options(parallel) -> dict | None:
+    """The inductor options of each block's torch.compile: with --async-tp, the
+    micro-pipeline TP pass. Per compile, not inductor's process-wide config: set
+    there it would reach every later compile in the process, the plain layouts' too."""
+    return {"_micro_pipeline_tp": True} if parallel.async_tp and parallel.compile else None
+
+
 def enable_compiled(tp_mesh: DeviceMesh) -> None:
-    """Let inductor fuse SP's collectives with their matmuls on the tp group."""
+    """Let the tp group run torch's symmetric-memory fused ops (the blocks' compile
+    options turn on the pass that uses them)."""
     if tp_mesh.device_type != "cuda":
         raise ValueError("--async-tp with --compile uses torch's symmetric-memory ops, which need CUDA; "
                          "leave out --compile for the decomposed eager path")
-    from torch._inductor import config as inductor_config
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-    inductor_config._micro_pipeline_tp = True   # inductor's switch is process-wide; every tp group here is alike
     with warnings.catch_warnings():      # 2.13 warns that enabling per group is no longer needed
         warnings.simplefilter("ignore")
         enable_symm_mem_for_group(tp_mesh.get_group().group_name)

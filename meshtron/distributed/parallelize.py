@@ -37,11 +37,12 @@ from meshtron.distributed.tensor_parallel import parallelize_module
 log = logging.getLogger(__name__)
 
 
-def apply_compile(blocks: list[nn.Module]) -> None:
+def apply_compile(blocks: list[nn.Module], options: dict | None = None) -> None:
     """torch.compile each block in place: parameter names, and so checkpoints, stay
-    as they are; repeated blocks share one compiled graph."""
+    as they are; repeated blocks share one compiled graph. `options`: inductor's,
+    for these compiles only."""
     for block in blocks:
-        block.compile()
+        block.compile(options=options)
 
 
 def apply_dp(model: nn.Module, mesh: DeviceMesh, config: ParallelConfig, blocks: list[nn.Module],

@@ -133,3 +133,20 @@ def _compiled_on_cpu(rank, world):
     with pytest.raises(ValueError, match="need CUDA"):
         layout(ParallelConfig(sp=True, async_tp=True, compile=True))(GPT(cfg, seed=0), mesh(tp=world))
 
+
+
+def test_compiled_async_tp_is_an_option_of_its_blocks_compiles_only():
+    """Set in inductor's process-wide config, the pass would reach every later
+    compile in the process (a plain layout built after an async one included)."""
+    from torch._inductor import config as inductor_config
+
+    from meshtron.distributed.async_tp import compile_options
+    from meshtron.distributed.parallelize import apply_compile
+    on = ParallelConfig(sp=True, async_tp=True, compile=True)
+    assert compile_options(on) == {"_micro_pipeline_tp": True}
+    assert compile_options(ParallelConfig(sp=True, compile=True)) is None
+    assert compile_options(ParallelConfig(sp=True, async_tp=True)) is None   # eager: the ring
+    block = torch.nn.Linear(4, 4)
+    apply_compile([block], compile_options(on))
+    block(torch.randn(2, 4)).sum().backward()    # forward and backward compiled under the option
+    assert not inductor_config._micro_pipeline_tp

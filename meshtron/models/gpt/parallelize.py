@@ -92,7 +92,7 @@ def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig
                  position_embeddings=[model.pos_embeddings] if model.pos_embeddings is not None else [])
     apply_recompute(blocks, parallel.recompute)
     if parallel.compile:
-        apply_compile(blocks)
+        apply_compile(blocks, async_tp.compile_options(parallel))
     apply_dp(model, mesh, parallel, blocks, experts=[m.experts for m in moe])
 
 

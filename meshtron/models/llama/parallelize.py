@@ -83,7 +83,7 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConf
                  attentions=[b.attention for b in blocks])
     apply_recompute(blocks, parallel.recompute)
     if parallel.compile:
-        apply_compile(blocks)
+        apply_compile(blocks, async_tp.compile_options(parallel))
     apply_dp(model, mesh, parallel, blocks, experts=[m.experts for m in moe])
 
 
