@@ -135,18 +135,23 @@ RECIPE = ["--model", "llama-moe-tiny", "--seq-len", "32", "--steps", "4", "--glo
 
 
 def test_recipe_ep2_matches_dp2_from_the_metrics_file(pools, tmp_path):
+    # and both match one process. The routing statistics (aux loss, expert load, bias
+    # update) are those of each micro-batch step over all ranks, as in Megatron: one
+    # process takes the 4 sequences 2 ranks hold in one micro-batch step of 2 each
     losses = {}
-    for name, argv in (("ep2", ["--ep", "2"]), ("dp2", ["--dp", "2"])):
+    for name, world, argv in (("ep2", 2, ["--ep", "2"]), ("dp2", 2, ["--dp", "2"]),
+                              ("one", 1, ["--micro-batch", "4"])):
         f = tmp_path / f"{name}.jsonl"
-        pools.run(2, train, RECIPE + argv + ["--metrics-file", str(f)])
+        pools.run(world, train, RECIPE + argv + ["--metrics-file", str(f)])
         rows = [json.loads(line) for line in f.read_text().splitlines()]
         losses[name] = {r["step"]: r for r in rows if "loss" in r}
-    assert set(losses["ep2"]) == set(losses["dp2"]) == {1, 2, 3, 4}
-    for step, row in losses["ep2"].items():
-        ref = losses["dp2"][step]
-        assert abs(row["loss"] - ref["loss"]) / ref["loss"] < 1e-5, (step, row["loss"], ref["loss"])
-        assert abs(row["aux_loss"] - ref["aux_loss"]) / ref["aux_loss"] < 1e-5
-        assert row["expert_load_max_over_mean"] == pytest.approx(ref["expert_load_max_over_mean"], rel=1e-6)
+    assert set(losses["ep2"]) == set(losses["dp2"]) == set(losses["one"]) == {1, 2, 3, 4}
+    for name, ref_name in (("ep2", "dp2"), ("ep2", "one"), ("dp2", "one")):
+        for step, row in losses[name].items():
+            ref = losses[ref_name][step]
+            assert abs(row["loss"] - ref["loss"]) / ref["loss"] < 1e-5, (name, ref_name, step, row, ref)
+            assert abs(row["aux_loss"] - ref["aux_loss"]) / ref["aux_loss"] < 1e-5, (name, ref_name, step)
+            assert row["expert_load_max_over_mean"] == pytest.approx(ref["expert_load_max_over_mean"], rel=1e-6)
 
 
 def test_capacity_shows_its_dropped_fraction(pools, tmp_path):
@@ -175,13 +180,15 @@ def test_export_at_ep2_equals_dp2_and_reads_back(pools, tmp_path):
 
     from meshtron.hf import import_safetensors
     from meshtron.models import get
-    for name, argv in (("ep2", ["--ep", "2"]), ("dp2", ["--dp", "2", "--zero", "3"])):
-        pools.run(2, train, RECIPE + argv + ["--export-hf", str(tmp_path / name)])
-    ep2, dp2 = (load_file(str(tmp_path / n / "model.safetensors")) for n in ("ep2", "dp2"))
-    assert set(ep2) == set(dp2) and "layers.0.feed_forward.experts.w1" in ep2
+    for name, world, argv in (("ep2", 2, ["--ep", "2"]), ("dp2", 2, ["--dp", "2", "--zero", "3"]),
+                              ("one", 1, ["--micro-batch", "4"])):   # one micro-batch step, as above
+        pools.run(world, train, RECIPE + argv + ["--export-hf", str(tmp_path / name)])
+    ep2, dp2, one = (load_file(str(tmp_path / n / "model.safetensors")) for n in ("ep2", "dp2", "one"))
+    assert set(ep2) == set(dp2) == set(one) and "layers.0.feed_forward.experts.w1" in ep2
     assert "layers.0.feed_forward.router.expert_bias" in ep2
     for k in ep2:
         assert torch.allclose(ep2[k], dp2[k], rtol=1e-5, atol=1e-6), k
+        assert torch.allclose(ep2[k], one[k], rtol=1e-5, atol=1e-6), k
     _, cfg = get("llama-moe-tiny")
     model = Llama(cfg)
     import_safetensors([model], str(tmp_path / "ep2"), cfg)
