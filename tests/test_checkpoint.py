@@ -48,6 +48,8 @@ def test_resharding_on_load(pools, tmp_path, target):
     run(pools, "dp2-tp2-zero3", "--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3", exit_after=3)
     after = run(pools, target, "--checkpoint-dir", str(tmp_path), "--resume", "auto", "--checkpoint-interval", "100")
     assert after == pytest.approx(straight[3:], rel=1e-5), (after, straight[3:])
+    if target == "single":   # and the straight 3-D run is one process' run
+        assert straight == pytest.approx(run(pools, "single"), rel=1e-5)
 
 
 def test_killed_save_leaves_previous_checkpoint_loadable(pools, tmp_path):
