@@ -20,7 +20,8 @@ def test_eval_loss_is_the_same_under_every_layout(pools, tmp_path):
     held_out.write_text(open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read())
     runs = {"one": (1, ["--micro-batch", "8"]), "dp2": (2, ["--dp", "2", "--zero", "3", "--micro-batch", "4"]),
             "tp2 sp": (2, ["--tp", "2", "--sp", "--micro-batch", "8"]),
-            "pp2": (2, ["--pp", "2", "--microbatches", "4", "--micro-batch", "2"])}
+            "pp2": (2, ["--pp", "2", "--microbatches", "4", "--micro-batch", "2"]),
+            "cp2": (2, ["--cp", "2", "--micro-batch", "8"])}
     got = {}
     for name, (world, flags) in runs.items():
         path = tmp_path / f"{name}.jsonl"
