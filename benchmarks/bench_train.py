@@ -15,7 +15,9 @@ training); the step time is the median round / steps. tokens/s/GPU = global
 batch x sequence / step time / GPUs; MFU = tokens/s/GPU x the model's
 flops_per_token / the GPU's dense bf16 peak (meshtron.metrics); peak memory is
 torch.cuda.max_memory_allocated (and _reserved, which torchtitan logs), the
-largest over ranks. Peers (torchtitan, the
+largest over ranks. Every step's loss and gradient norm are recorded (`losses`,
+`grad_norms`): all layouts train the same batches from the same weights, at lr
+1e-4 unless --lr says otherwise, so they must agree to bf16 noise. Peers (torchtitan, the
 plain model) are run by benchmarks/vs_torchtitan.sh in the same call and joined
 here by --summarize.
 """
