@@ -5,9 +5,9 @@
 Each rank in turn joins torch's fake process group (it hands out ranks and
 groups and communicates nothing) as that rank of a world of N, builds the mesh,
 and runs the trainer's own set-up on the meta device: the layout checks, the
-pipeline split, the spec's TP plan, recompute and FSDP. Then, without a
-pipeline, it runs the trainer's own step on fake tensors (shapes without data)
-and counts the collectives it issues (meshtron.distributed.collectives). What the rank then
+pipeline split and schedule, the spec's TP plan, recompute and FSDP. Then it
+runs the trainer's own step on fake tensors (shapes without data) and counts
+the collectives it issues (meshtron.distributed.collectives). What the rank then
 holds is read off its parameters (the local shard of each DTensor), so a wrong
 plan shows here as it would on the cluster, without one. Gradients have the
 shape and dtype of the parameters they belong to; AdamW adds two moments of
@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from meshtron.distributed.collectives import CollectiveCounter
 from meshtron.distributed.mesh import init_mesh
 from meshtron.distributed.tied import materialize
-from meshtron.layout import build_model, resolve_layout
+from meshtron.layout import build_model, pipeline_io, resolve_layout
 from meshtron.state import state_bytes
 from meshtron.step import gradients, layout_loss, moe_end_step
 
@@ -52,15 +52,14 @@ def _forked(fn, *args):
         return pool.apply(fn, args)
 
 
-def dry_run_rank(config, world: int, rank: int) -> tuple[dict[str, int], dict[tuple[str, str], int] | None]:
+def dry_run_rank(config, world: int, rank: int) -> tuple[dict[str, int], dict[tuple[str, str], int]]:
     """What `rank` of `world` holds under `config`, {params, grads, optim} bytes,
     and the {(kind, mesh axes): bytes} of the collectives it issues in one training
     step (its gradients, their norm and the MoE statistics: meshtron.step), counted
     while the step runs on fake tensors: shapes flow, nothing is computed or sent
-    (FSDP's lazy initialization communicates nothing, so the first step is every
-    step). MoE all-to-alls assume the tokens spread evenly over the experts. Under
-    a pipeline the collectives are None: torch's schedules exchange shapes and vote
-    between stages on their first step, which one process cannot answer."""
+    (FSDP's lazy initialization communicates nothing, and the pipeline's stages
+    are given their shapes, so the first step is every step). MoE all-to-alls
+    assume the tokens spread evenly over the experts."""
     return _forked(_dry_run_rank, config, world, rank)
 
 
@@ -70,25 +69,43 @@ def _dry_run_rank(config, world: int, rank: int):
     try:
         spec, mc, degrees, microbatches, global_batch = resolve_layout(config, world)
         mesh = init_mesh(**degrees, device_type="cpu")
-        parts, _ = build_model(spec, mc, mesh, config.parallel, microbatches)
+        parts, pipeline = build_model(spec, mc, mesh, config.parallel, microbatches)
         params = {id(p): p for m in parts for p in m.parameters()}.values()
         held = sum(_local_bytes(p) for p in params)
         state = {"params": held, "grads": held, "optim": 2 * held + 4 * len(params)}
-        if degrees["pp"] > 1:
-            return state, None
         with FakeTensorMode(allow_non_fake_inputs=True):
             for m in parts:
                 materialize(m, "cpu")
             loss_fn = layout_loss(mesh, config.parallel, torch.device("cpu"))
+            if pipeline is not None:
+                pipeline.build_schedule(loss_fn, pipeline_io(mc, config, mesh))
+                _answer_the_vote(pipeline.schedule)
             tokens = torch.zeros(global_batch // (degrees["dp"] * degrees["ep"]), config.training.seq_len,
                                  dtype=torch.long)
             with CollectiveCounter(mesh) as count:
-                gradients(parts, tokens, tokens, mesh, None, config, microbatches, loss_fn)
+                gradients(parts, tokens, tokens, mesh, pipeline, config, microbatches, loss_fn)
                 if getattr(mc, "moe", None) is not None:
                     moe_end_step(parts, mesh)
         return state, dict(count.bytes)
     finally:
         dist.destroy_process_group()
+
+
+def _answer_the_vote(schedule) -> None:
+    """Torch 2.13's schedules open their first step with a vote along the pipeline
+    (a 4-byte send and receive per neighbouring stage, the result read on the host):
+    may every stage use the shapes it was given? On one process no neighbour
+    answers. Every rank gives its stages their shapes (pipeline_io), so the vote
+    would say yes: each stage takes that answer without asking. Torch 2.11 has no
+    vote (its first step warms each link with a 4-byte send, which needs no answer)."""
+    if not hasattr(schedule, "_warmup_p2p"):
+        return
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    def agreed(stages, has_backward, p2p_done):
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+    schedule._warmup_p2p = agreed
 
 
 def dry_run(config, world: int, ranks: list[int] | None = None, out=sys.stdout) -> list[dict[str, int]]:
@@ -115,10 +132,6 @@ def dry_run(config, world: int, ranks: list[int] | None = None, out=sys.stdout) 
         collectives.append((rank, count))
         print(f"{rank:>5} {s['params'] / GiB:11.4f} {s['grads'] / GiB:10.4f} {s['optim'] / GiB:10.4f}   "
               + ("equal" if s == predicted else f"differs: {predicted}"), file=out)
-    if degrees["pp"] > 1:
-        print("collectives: not counted under a pipeline (its schedules talk between stages on the first step)",
-              file=out)
-        return states
     moe = " (MoE all-to-alls as if the tokens spread evenly over the experts)" if getattr(mc, "moe", None) else ""
     print(f"collectives of one step, MiB each rank sends (an all-gather its shard, a reduce-scatter or all-reduce "
           f"the whole tensor){moe}:", file=out)

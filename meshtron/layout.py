@@ -12,8 +12,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshtron import models
 from meshtron.config import Config, ConfigError
+from meshtron.distributed.data_parallel import DTYPES
 from meshtron.distributed.mesh import degree, resolve_degrees
-from meshtron.distributed.pipeline_parallel import Pipeline, check_pipeline, split_model
+from meshtron.distributed.pipeline_parallel import Pipeline, check_pipeline, split_model, stage_io
 
 
 def batch_layout(par, tr, degrees: dict[str, int]) -> tuple[int, int]:
@@ -69,3 +70,11 @@ def build_model(spec, mc, mesh: DeviceMesh, par, microbatches: int) -> tuple[lis
     for m in parts:
         spec.parallelize(m, mesh, par)
     return parts, pipeline
+
+
+def pipeline_io(mc, config: Config, mesh: DeviceMesh) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pipeline's stage shapes from the config (stage_io), so that torch's
+    schedule need not learn them by running every stage on its first step."""
+    par, tr = config.parallel, config.training
+    sp = degree(mesh, "tp") if par.sp else 1
+    return stage_io(tr.micro_batch, tr.seq_len // degree(mesh, "cp"), mc.dim, mc.vocab_size, DTYPES[par.dtype], sp)

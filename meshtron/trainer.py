@@ -42,7 +42,7 @@ from meshtron.distributed.mesh import batch_slice, degree, init_mesh, world_size
 from meshtron.distributed.pipeline_parallel import Pipeline
 from meshtron.distributed.reduce import sum_over
 from meshtron.distributed.tied import materialize
-from meshtron.layout import build_model, resolve_layout
+from meshtron.layout import build_model, pipeline_io, resolve_layout
 from meshtron.loss import IGNORE_INDEX, logits_of
 from meshtron.metrics import RunLog, Throughput, peak_memory_gib
 from meshtron.optim import build_optimizer, warmup_cosine
@@ -105,7 +105,7 @@ class Trainer:
         self.loss_fn = layout_loss(self.mesh, par, self.device)
         self.moe_stats = None   # the last step's routing statistics (mixture-of-experts models)
         if self.pipeline is not None:
-            self.pipeline.build_schedule(self.loss_fn)
+            self.pipeline.build_schedule(self.loss_fn, pipeline_io(mc, c, self.mesh))
         self.start = 0
         if self.resume_from:
             self.start = checkpoint.load(self.resume_from, self.parts, self.optimizer, self.scheduler, self.loader,

@@ -115,6 +115,19 @@ def stage_owner(stage: int, pp: int, virtual: int, schedule: str) -> int:
     raise ValueError(f"no pp rank holds stage {stage}")
 
 
+def stage_io(micro_batch: int, tokens: int, dim: int, vocab: int, dtype: torch.dtype,
+             sp: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What one micro-batch of a decoder feeds its first stage (token ids), passes
+    between stages (hidden states, this rank's 1/sp of the sequence under sequence
+    parallelism) and gets out of its last (logits, a vocab-sharded DTensor's whole
+    shape), as meta tensors for Pipeline.build_schedule. `tokens`: the sequence
+    length a rank holds (T/cp); `dtype`: the one the blocks compute in."""
+    grad = dict(dtype=dtype, device="meta", requires_grad=True)   # their gradients travel back
+    return (torch.empty(micro_batch, tokens, dtype=torch.long, device="meta"),
+            torch.empty(micro_batch, tokens // sp, dim, **grad),
+            torch.empty(micro_batch, tokens, vocab, **grad))
+
+
 class PassThrough(nn.Module):
     """Stands in on a stage for a module it does not hold: returns its first input
     (the hidden states that replace the token embedding on a later stage; a block
@@ -218,14 +231,27 @@ class Pipeline:
     def _by_stage(self) -> dict[int, nn.Module]:
         return dict(zip(self.stage_ids, self.parts))
 
-    def build_schedule(self, loss_fn) -> None:
+    def build_schedule(self, loss_fn, io: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         """`loss_fn(output, target)`: a micro-batch's summed token loss. Each step
-        scales it (`step`), and the schedule sums micro-batches without dividing."""
+        scales it (`step`), and the schedule sums micro-batches without dividing.
+
+        `io`: what one micro-batch feeds the first stage, passes between stages and
+        gets out of the last (meta tensors, `stage_io`). Given, torch takes the
+        stages' shapes from it; else it learns them on the first step by running
+        every stage once and sending the shapes along the pipeline."""
         device = next(self.parts[0].parameters()).device
         group = self.mesh["pp"].get_group()
-        stages = [PipelineStage(m, i, self.n_stages, device, group=group) for m, i in zip(self.parts, self.stage_ids)]
-        for stage in stages:
-            _keep_buffers_through_shape_inference(stage)
+        stages = []
+        for m, i in zip(self.parts, self.stage_ids):
+            shapes = {}
+            if io is not None:
+                model_input, hidden, model_output = io
+                shapes = {"input_args": model_input if i == 0 else hidden,
+                          "output_args": model_output if i == self.n_stages - 1 else hidden}
+            stage = PipelineStage(m, i, self.n_stages, device, group=group, **shapes)
+            if io is None:
+                _keep_buffers_through_shape_inference(stage)
+            stages.append(stage)
         cls = SCHEDULES[self.schedule_name]
         if self.schedule_name in ("zero-bubble", "zbv"):
             # these run each micro-batch's backward in two passes (input, then weight
@@ -249,7 +275,8 @@ class Pipeline:
         on the last stage, else 0."""
         self.loss_scale = loss_scale
         losses = []
-        args = (x,) if self.has_first else ()
+        # contiguous, as the shapes given to torch are (the loader's are views of longer windows)
+        args = (x.contiguous(),) if self.has_first else ()
         kwargs = {"target": y, "losses": losses, **self._step_options} if self.has_last else {}
         self.schedule.step(*args, **kwargs)
         self.tied.sum_grads(self._by_stage(), reduce_partial_grads)
@@ -261,7 +288,7 @@ class Pipeline:
         """Forward only: the sum of the micro-batch losses on the last stage, else 0."""
         self.loss_scale = 1.0
         losses = []
-        args = (x,) if self.has_first else ()
+        args = (x.contiguous(),) if self.has_first else ()
         kwargs = {"target": y, "losses": losses} if self.has_last else {}
         if hasattr(self.schedule, "eval"):   # torch 2.13; older schedules take the switch it sets
             self.schedule.eval(*args, **kwargs)

@@ -123,10 +123,10 @@ class TiedCopies:
             total = torch.stack(grads).sum(0) if len(grads) > 1 else grads[0].clone()
             ranks = {self.stage_owner(s) for s, _ in group}
             if len(ranks) > 1:
-                me = self.pp_mesh.get_local_rank()
-                peer = self.pp_mesh.mesh.tolist()[next(r for r in ranks if r != me)]
+                me, group_pg = self.pp_mesh.get_local_rank(), self.pp_mesh.get_group()
+                # the group's rank table, not the mesh tensor: a dry run holds no real tensors
+                peer = dist.get_global_rank(group_pg, next(r for r in ranks if r != me))
                 mine_sum, other = total, torch.empty_like(total)
-                group_pg = self.pp_mesh.get_group()
                 ops = [dist.P2POp(dist.isend, mine_sum, peer, group_pg), dist.P2POp(dist.irecv, other, peer, group_pg)]
                 for w in dist.batch_isend_irecv(ops):
                     w.wait()
