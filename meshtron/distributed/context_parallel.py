@@ -29,6 +29,7 @@ variant runs, and is tested exactly, on the CPU.
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -39,6 +40,7 @@ from torch.distributed._functional_collectives import all_gather_tensor_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
 VARIANTS = ("p2p", "allgather", "a2a")
+aten = torch.ops.aten
 
 
 # ---- the sequence split ---------------------------------------------------------
@@ -64,8 +66,14 @@ def natural_order(cp: int) -> list[int]:
 
 # ---- block attention with its log-sum-exp ------------------------------------------
 
-def _fused(q: torch.Tensor) -> bool:
-    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+def _kernel(q: torch.Tensor, k: torch.Tensor, causal: bool) -> str | None:
+    """The fused kernel of a block: cuDNN's where SDPA would take it (on Hopper it
+    runs 1.5-1.9x flash's speed), flash's otherwise; both take grouped-query K/V
+    as they are. None off the GPU and in fp32/fp64: the math path."""
+    if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):
+        return None
+    params = torch.backends.cuda.SDPAParams(q, k, k, None, 0.0, causal, k.shape[1] != q.shape[1])
+    return "cudnn" if torch.backends.cuda.can_use_cudnn_attention(params) else "flash"
 
 
 def _acc(q: torch.Tensor) -> torch.dtype:
@@ -81,11 +89,15 @@ def _expand(k: torch.Tensor, heads: int) -> torch.Tensor:
 def block_forward(q, k, v, causal: bool):
     """(out in q's dtype, lse fp32 (B, H, Tq)) of q over one K/V block; `causal`
     means q and k are the same tokens."""
-    k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
-    if _fused(q):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]
-        return out, lse
+    kernel = _kernel(q, k, causal)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if kernel == "cudnn":   # its lse is (B, H, Tq, 1)
+        out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal)[:2]
+        return out, lse.squeeze(-1)
+    if kernel == "flash":
+        return aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]
     acc = _acc(q)
+    k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
     s = (q.to(acc) @ k.to(acc).transpose(-1, -2)) / math.sqrt(q.shape[-1])
     if causal:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
@@ -96,22 +108,26 @@ def block_forward(q, k, v, causal: bool):
 def block_backward(dout, q, k, v, out, lse, causal: bool):
     """dq, dk, dv of one block, given the whole attention's out and lse (flash
     attention's backward: P = exp(S - lse), dS = P (dP - rowsum(dout * out)))."""
-    kv_heads = k.shape[1]
-    k2, v2 = _expand(k, q.shape[1]), _expand(v, q.shape[1])
-    if _fused(q):
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k2, v2, out, lse, None, None, q.shape[2], k2.shape[2], 0.0, causal,
-            torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64))[:3]
-    else:
-        acc = _acc(q)
-        scale = 1 / math.sqrt(q.shape[-1])
-        qa, ka, va, da = q.to(acc), k2.to(acc), v2.to(acc), dout.to(acc)
-        s = (qa @ ka.transpose(-1, -2)) * scale
-        if causal:
-            s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-        p = (s - lse.to(acc)[..., None]).exp()
-        ds = p * (da @ va.transpose(-1, -2) - (da * out.to(acc)).sum(-1, keepdim=True))
-        dq, dk, dv = ds @ ka * scale, ds.transpose(-1, -2) @ qa * scale, p.transpose(-1, -2) @ da
+    kernel = _kernel(q, k, causal)
+    if kernel is not None:   # the kernels read lse (and the rest) as contiguous: a row slice gives wrong gradients
+        dout, q, k, v, out, lse = (t.contiguous() for t in (dout, q, k, v, out, lse))
+        tq, tk = q.shape[2], k.shape[2]
+        if kernel == "cudnn":   # no dropout: the RNG state is unused, but cuDNN wants it on the device
+            seed = torch.zeros((), dtype=torch.int64, device=q.device)
+            return aten._scaled_dot_product_cudnn_attention_backward(
+                dout, q, k, v, out, lse.unsqueeze(-1), seed, seed, None, None, None, tq, tk, 0.0, causal)[:3]
+        seed = torch.zeros((), dtype=torch.int64)
+        return aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, None, None, tq, tk, 0.0, causal, seed, seed)[:3]
+    acc, kv_heads = _acc(q), k.shape[1]
+    scale = 1 / math.sqrt(q.shape[-1])
+    qa, ka, va, da = q.to(acc), _expand(k, q.shape[1]).to(acc), _expand(v, q.shape[1]).to(acc), dout.to(acc)
+    s = (qa @ ka.transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    p = (s - lse.to(acc)[..., None]).exp()
+    ds = p * (da @ va.transpose(-1, -2) - (da * out.to(acc)).sum(-1, keepdim=True))
+    dq, dk, dv = ds @ ka * scale, ds.transpose(-1, -2) @ qa * scale, p.transpose(-1, -2) @ da
     if kv_heads != q.shape[1]:   # the query heads of one KV head add up
         g = q.shape[1] // kv_heads
         dk = dk.unflatten(1, (kv_heads, g)).sum(2)
@@ -119,15 +135,13 @@ def block_backward(dout, q, k, v, out, lse, causal: bool):
     return dq, dk, dv
 
 
-def merge(out: torch.Tensor | None, lse: torch.Tensor | None, o: torch.Tensor, o_lse: torch.Tensor):
-    """Two attentions of the same queries over disjoint keys -> their union's (in
-    fp32 at least)."""
-    o = o.to(torch.promote_types(o.dtype, torch.float32))
-    o_lse = o_lse.to(o.dtype)
-    if out is None:
-        return o, o_lse
+def merge_(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, o_lse: torch.Tensor) -> None:
+    """Adds the attention o (log-sum-exp o_lse) of the same queries over other keys
+    into out and lse (fp32 at least; views are updated in place): two passes over
+    out. Empty rows start as out 0, lse -inf."""
     new = torch.logaddexp(lse, o_lse)
-    return out * (lse - new).exp()[..., None] + o * (o_lse - new).exp()[..., None], new
+    out.mul_((lse - new).exp().unsqueeze(-1)).addcmul_(o, (o_lse - new).exp().unsqueeze(-1))
+    lse.copy_(new)
 
 
 # ---- ring (p2p) -------------------------------------------------------------------
@@ -148,33 +162,85 @@ def ring_steps(rank: int, cp: int, c: int) -> list[tuple[int, slice, slice, bool
     return steps
 
 
-def _rotate(tensors: list[torch.Tensor], group, rank: int, cp: int):
-    """Send to the next cp rank, receive from the previous one: (received, works)."""
-    ranks = dist.get_process_group_ranks(group)
-    recv = [torch.empty_like(t) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t, ranks[(rank + 1) % cp], group) for t in tensors]
-    ops += [dist.P2POp(dist.irecv, t, ranks[(rank - 1) % cp], group) for t in recv]
-    return recv, dist.batch_isend_irecv(ops)
+def blockwise_forward(q, steps, blocks):
+    """q's attention over K/V blocks, one per step (owner, q rows, key rows,
+    causal), merged by their log-sum-exp: (out in q's dtype, lse fp32)."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+    for (_, rows, keys, causal), (k, v) in zip(steps, blocks):
+        o, o_lse = block_forward(q[:, :, rows], k[:, :, keys], v[:, :, keys], causal)
+        merge_(out[:, :, rows], lse[:, :, rows], o, o_lse)
+    return out.to(q.dtype), lse
+
+
+def blockwise_backward(dout, q, out, lse, steps, blocks, add_dkv) -> torch.Tensor:
+    """dq (in `_acc` precision) over the same blocks; each block's dk, dv go to
+    add_dkv(owner, key rows, dk, dv)."""
+    dq = torch.zeros(q.shape, dtype=_acc(q), device=q.device)
+    for (j, rows, keys, causal), (k, v) in zip(steps, blocks):
+        g_q, g_k, g_v = block_backward(dout[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
+                                       out[:, :, rows], lse[:, :, rows], causal)
+        dq[:, :, rows] += g_q
+        add_dkv(j, keys, g_k, g_v)
+    return dq
+
+
+class _Ring:
+    """The cp group as a ring: each rank sends to the next and receives from the
+    previous; a transfer runs while the caller computes on the block before it."""
+
+    def __init__(self, group):
+        self.group, self.cp, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+        ranks = dist.get_process_group_ranks(group)
+        self.next, self.prev = ranks[(self.rank + 1) % self.cp], ranks[(self.rank - 1) % self.cp]
+
+    def rotate(self, tensors: list[torch.Tensor]):
+        recv = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in recv]
+        return recv, dist.batch_isend_irecv(ops)
+
+    def blocks(self, tensors: list[torch.Tensor]):
+        """Yields this rank's tensors, then those of rank-1, rank-2, ...: the next
+        block is on its way while the caller works on the current one."""
+        for s in range(self.cp):
+            nxt, works = self.rotate(tensors) if s < self.cp - 1 else (None, [])
+            yield tensors
+            for w in works:
+                w.wait()
+            tensors = nxt
+
+
+class _GradRing:
+    """dK/dV follow their block round the ring, each rank adding its part, and are
+    back at the owner after cp steps; the sum so far arrives from the previous
+    rank while this rank computes its own part."""
+
+    def __init__(self, ring: _Ring, k: torch.Tensor, v: torch.Tensor, acc: torch.dtype):
+        self.ring, self.works = ring, []
+        self.dkv = [torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)]
+
+    def add(self, owner: int, keys: slice, g_k: torch.Tensor, g_v: torch.Tensor) -> None:
+        for w in self.works:
+            w.wait()
+        self.dkv[0][:, :, keys] += g_k
+        self.dkv[1][:, :, keys] += g_v
+        self.dkv, self.works = self.ring.rotate(self.dkv)
+
+    def result(self) -> list[torch.Tensor]:
+        for w in self.works:
+            w.wait()
+        return self.dkv
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group):
-        cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        c = q.shape[2] // 2
-        out = lse = None
-        kv = [k.contiguous(), v.contiguous()]   # (B, heads, T, hd) views of the projections: sent whole
-        for s, (_, rows, keys, causal) in enumerate(ring_steps(rank, cp, c)):
-            nxt, works = _rotate(kv, group, rank, cp) if s < cp - 1 else (None, [])
-            o, o_lse = block_forward(q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], causal)
-            if out is None:
-                out, lse = merge(None, None, o, o_lse)
-            else:
-                out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, o_lse)
-            for w in works:
-                w.wait()
-            kv = nxt
-        out = out.to(q.dtype)
+        ring = _Ring(group)
+        # (B, heads, T, hd) views of the projections: sent whole
+        steps = ring_steps(ring.rank, ring.cp, q.shape[2] // 2)
+        out, lse = blockwise_forward(q, steps, ring.blocks([k.contiguous(), v.contiguous()]))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group = group
         return out
@@ -182,26 +248,12 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group = ctx.group
-        cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        c = q.shape[2] // 2
-        acc = _acc(q)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        kv = [k.contiguous(), v.contiguous()]
-        dkv = [torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)]
-        for s, (_, rows, keys, causal) in enumerate(ring_steps(rank, cp, c)):
-            nxt, works = _rotate(kv, group, rank, cp) if s < cp - 1 else (None, [])
-            g_q, g_k, g_v = block_backward(dout[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
-                                           out[:, :, rows], lse[:, :, rows], causal)
-            dq[:, :, rows] += g_q
-            dkv[0][:, :, keys] += g_k
-            dkv[1][:, :, keys] += g_v
-            # this block's gradients follow it round the ring, back to its owner at the end
-            dkv, dworks = _rotate(dkv, group, rank, cp)
-            for w in works + dworks:
-                w.wait()
-            kv = nxt
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+        ring = _Ring(ctx.group)
+        grads = _GradRing(ring, k, v, _acc(q))
+        steps = ring_steps(ring.rank, ring.cp, q.shape[2] // 2)
+        dq = blockwise_backward(dout, q, out, lse, steps, ring.blocks([k.contiguous(), v.contiguous()]), grads.add)
+        dk, dv = grads.result()
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
 # ---- all-gather and all-to-all --------------------------------------------------------
@@ -219,11 +271,38 @@ def attention(q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
     return (s.masked_fill(~mask, float("-inf")).softmax(-1) @ v.to(acc)).to(q.dtype)
 
 
-def _prefix_attention(q, k, v, end: int):
-    """q (its last rows the last of k[:end]) attending k[:end] causally, lower-right aligned."""
-    k, v = k[:, :, :end], v[:, :, :end]
-    tq, tk = q.shape[2], k.shape[2]
-    return attention(q, k, v, torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(tk - tq))
+def prefix_steps(rank: int, cp: int, c: int) -> list[tuple[int, slice, slice, bool]]:
+    """The all-gather variant's blocks over the whole sequence: each of the rank's
+    chunks attends every key before it in full and its own keys causally."""
+    steps = []
+    for rows, chunk in ((slice(0, c), rank), (slice(c, 2 * c), 2 * cp - 1 - rank)):
+        if chunk:
+            steps.append((0, rows, slice(0, chunk * c), False))
+        steps.append((0, rows, slice(chunk * c, (chunk + 1) * c), True))
+    return steps
+
+
+class _PrefixAttention(torch.autograd.Function):
+    """The local queries over the whole K/V (sequence order), blockwise; dK/dV of the
+    whole go back through the all-gather's backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, steps):
+        out, lse = blockwise_forward(q, steps, itertools.repeat((k, v)))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.steps = steps
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dk, dv = (torch.zeros(t.shape, dtype=_acc(q), device=t.device) for t in (k, v))
+
+        def add_dkv(_, keys, g_k, g_v):
+            dk[:, :, keys] += g_k
+            dv[:, :, keys] += g_v
+        dq = blockwise_backward(dout, q, out, lse, ctx.steps, itertools.repeat((k, v)), add_dkv)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
 def allgather_attention(q, k, v, group):
@@ -235,10 +314,7 @@ def allgather_attention(q, k, v, group):
         t = all_gather_tensor_autograd(t.contiguous(), gather_dim=2, group=group)
         return t.unflatten(2, (2 * cp, c))[:, :, order].flatten(2, 3)
 
-    k, v = whole(k), whole(v)
-    first = _prefix_attention(q[:, :, :c], k, v, (rank + 1) * c)
-    second = _prefix_attention(q[:, :, c:], k, v, (2 * cp - rank) * c)
-    return torch.cat([first, second], dim=2)
+    return _PrefixAttention.apply(q, whole(k), whole(v), prefix_steps(rank, cp, c))
 
 
 def a2a_attention(q, k, v, group):

@@ -31,7 +31,7 @@ def test_same_logits_as_transformers(tmp_path):
 
 
 def test_param_count_and_presets():
-    for name, n in (("llama-1B", 1.24e9), ("llama-3B", 3.21e9), ("llama-8B", 8.03e9)):
+    for name, n in (("llama-1B", 1.24e9), ("llama-3B", 3.21e9), ("llama-8B", 8.03e9), ("llama-617M", 0.617e9)):
         assert abs(get(name)[1].num_params() / n - 1) < 0.01, (name, get(name)[1].num_params())
     model = Llama(TINY, seed=0)
     assert sum(p.numel() for p in model.parameters()) == TINY.num_params()
