@@ -1,5 +1,6 @@
 """Expert compute on one GPU: meshtron's grouped GEMM (the MoE block's experts)
-against a dense GEMM of the same FLOPs, and one MoE layer's forward+backward
+against a dense GEMM of the same FLOPs, the experts module's forward+backward
+against one dense MLP of the same shape over the same rows, and one MoE layer's forward+backward
 against a dense SwiGLU MLP doing the same FLOPs per token, in the same run.
 
     python benchmarks/bench_moe.py            # bf16, llama-moe-3B's expert shapes
@@ -20,7 +21,7 @@ import sys
 
 import torch
 
-from meshtron.models.common.moe import MoE, MoEConfig, grouped_mm
+from meshtron.models.common.moe import Experts, MoE, MoEConfig, grouped_mm
 
 
 def median_ms(fn, reps: int = 20, warmup: int = 5, inner: int = 10) -> float:
@@ -54,6 +55,26 @@ def grouped_rows(d, h, experts, per_expert, dtype, device):
     w_nk = w.transpose(-2, -1).contiguous()
     t_nk = median_ms(lambda: grouped_mm(x, w_nk.transpose(-2, -1), counts))
     return flops, t_grouped, t_dense, t_nk
+
+
+def experts_row(d, h, experts, per_expert, dtype, device):
+    """The experts module (SwiGLU: w1 gate|up as one grouped GEMM, then w2) forward +
+    backward against one dense MLP of the same shape over all the rows: the same
+    FLOPs and elementwise work, only the grouping differs."""
+    cfg = MoEConfig(n_experts=experts, hidden=h)
+    grouped = Experts(d, cfg).to(device, dtype)
+    w1, w2 = (torch.randn(d, 2 * h), torch.randn(h, d))
+    for p in grouped.parameters():
+        torch.nn.init.normal_(p, std=d ** -0.5)
+    w1, w2 = ((w * d ** -0.5).to(device, dtype).requires_grad_() for w in (w1, w2))
+    x = torch.randn(experts * per_expert, d, dtype=dtype, device=device, requires_grad=True)
+    counts = torch.full((experts,), per_expert, device=device)
+    flops = 3 * 6 * experts * per_expert * d * h          # three projections, forward and backward
+
+    def dense():
+        gate, up = (x @ w1).chunk(2, dim=-1)
+        ((torch.nn.functional.silu(gate) * up) @ w2).sum().backward()
+    return flops, median_ms(lambda: grouped(x, counts).sum().backward()), median_ms(dense)
 
 
 def layer_row(d, h, n_experts, top_k, tokens, dtype, device):
@@ -91,6 +112,13 @@ def main(argv=None) -> None:
             flops, tg, td, tnk = grouped_rows(d, h, experts, per_expert, dtype, device)
             print(f"{experts:>8} {per_expert:>14} {tg:>11.3f} {td:>9.3f} {flops / tg / 1e9:>16.1f} "
                   f"{td / tg:>14.3f} {tnk:>9.3f} {td / tnk:>12.3f}")
+    print("expert MLPs (SwiGLU) forward+backward against one dense MLP of the same shape over the same rows")
+    print(f"{'experts':>8} {'tokens/expert':>14} {'grouped ms':>11} {'dense ms':>9} {'grouped TFLOP/s':>16} "
+          f"{'grouped/dense':>14}")
+    for experts in ((4, 16) if not args.smoke else (2,)):
+        for per_expert in ((256, 512, 1024, 2048, 4096) if not args.smoke else (8,)):
+            flops, tg, td = experts_row(d, h, experts, per_expert, dtype, device)
+            print(f"{experts:>8} {per_expert:>14} {tg:>11.3f} {td:>9.3f} {flops / tg / 1e9:>16.1f} {td / tg:>14.3f}")
     print("one MoE layer (router, top-2 of 16 SwiGLU experts) forward+backward against a dense SwiGLU of width k*h")
     print(f"{'tokens':>8} {'moe ms':>8} {'dense ms':>9} {'moe TFLOP/s':>12} {'moe/dense speed':>16}")
     for tokens in ((4096, 8192, 16384) if not args.smoke else (64,)):

@@ -186,9 +186,11 @@ def test_export_at_ep2_equals_dp2_and_reads_back(pools, tmp_path):
     ep2, dp2, one = (load_file(str(tmp_path / n / "model.safetensors")) for n in ("ep2", "dp2", "one"))
     assert set(ep2) == set(dp2) == set(one) and "layers.0.feed_forward.experts.w1" in ep2
     assert "layers.0.feed_forward.router.expert_bias" in ep2
+    # relative to each tensor's norm: AdamW turns rounding noise in a near-zero gradient into
+    # an lr-sized step of that one element (1e-6 here), which an elementwise tolerance fails on
     for k in ep2:
-        assert torch.allclose(ep2[k], dp2[k], rtol=1e-5, atol=1e-6), k
-        assert torch.allclose(ep2[k], one[k], rtol=1e-5, atol=1e-6), k
+        for other in (dp2, one):
+            assert (ep2[k] - other[k]).norm() <= 1e-5 * other[k].norm(), k
     _, cfg = get("llama-moe-tiny")
     model = Llama(cfg)
     import_safetensors([model], str(tmp_path / "ep2"), cfg)
