@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from meshtron.comm_model import step_collectives
 from meshtron.distributed.collectives import CollectiveCounter
 from meshtron.distributed.mesh import init_mesh
 from meshtron.distributed.tied import materialize
@@ -134,8 +135,13 @@ def dry_run(config, world: int, ranks: list[int] | None = None, out=sys.stdout) 
               + ("equal" if s == predicted else f"differs: {predicted}"), file=out)
     moe = " (MoE all-to-alls as if the tokens spread evenly over the experts)" if getattr(mc, "moe", None) else ""
     print(f"collectives of one step, MiB each rank sends (an all-gather its shard, a reduce-scatter or all-reduce "
-          f"the whole tensor){moe}:", file=out)
+          f"the whole tensor){moe}, against the planner's (meshtron.comm_model):", file=out)
     for rank, count in collectives:
+        _, planned = step_collectives(spec, mc, par, tr.micro_batch, microbatches, tr.seq_len, rank, device="cpu")
+        routed = [("all_to_all", "ep")]   # what a rank's all-to-alls send back depends on the routing
+        same = {k: v for k, v in count.items() if k not in routed} == {k: v for k, v in planned.items()
+                                                                       if k not in routed}
         print(f"  rank {rank}: " + ", ".join(f"{kind} over {axes} {n / 2 ** 20:.2f}"
-                                              for (kind, axes), n in sorted(count.items())), file=out)
+                                              for (kind, axes), n in sorted(count.items()))
+              + ("   planner equal" if same else f"   planner differs: {planned}"), file=out)
     return states

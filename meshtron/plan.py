@@ -18,16 +18,18 @@ input, selective keeps the matmul outputs. A pipeline's first stage holds
 min(pp, micro-batches) of them in flight under 1F1B (all under GPipe).
 
 Step time: the model's FLOPs at a matmul efficiency (calibrated per GPU),
-each collective by the alpha-beta model on the link its axis crosses
-(all-reduce 2(n-1)/n of the bytes, all-gather and reduce-scatter (n-1)/n,
-all-to-all (n-1)/n, p2p 1): TP and EP traffic exposed, FSDP's overlapped with
-compute except one unit's worth, the pipeline's bubble by its schedule's
-formula.
+each collective of the step (meshtron.comm_model: calls and bytes per kind and
+mesh axes, equal to what a real step issues) by the alpha-beta model on the
+link its group crosses (all-reduce 2(n-1)/n of the bytes, all-gather and
+reduce-scatter (n-1)/n, all-to-all (n-1)/n, p2p 1): TP and EP traffic exposed,
+CP's ring behind attention, FSDP's overlapped with compute except one unit's
+worth, the pipeline's bubble by its schedule's formula.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import math
 import sys
@@ -35,6 +37,7 @@ import time
 from dataclasses import dataclass
 
 from meshtron import models
+from meshtron.comm_model import group_size, step_collectives
 from meshtron.config import ParallelConfig
 from meshtron.distributed.mesh import AXES
 from meshtron.distributed.pipeline_parallel import bubble_fraction, check_pipeline
@@ -87,6 +90,41 @@ def collective_s(kind: str, nbytes: float, n: int, link: tuple[float, float]) ->
     factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
               "all_to_all": (n - 1) / n, "p2p": 1.0}[kind]
     return alpha * (n - 1 if kind != "p2p" else 1) + nbytes * factor / bw
+
+
+def _pp_ranks(d: dict[str, int]) -> set[int]:
+    """A rank of the first pipeline stage (the embedding), of the last (the head, the
+    loss) and of one between (activations both ways; the ranks between are alike)."""
+    stride = math.prod(d[a] for a in AXES[AXES.index("pp") + 1:])
+    return {0, min(1, d["pp"] - 1) * stride, (d["pp"] - 1) * stride}
+
+
+@functools.cache
+def _group(label: str, degrees: tuple[int, ...], hsdp: int, gpus_per_node: int, hw: Hardware):
+    """(ranks, (alpha, bandwidth)) of a CollectiveCounter group: the link of its
+    outermost axis (an HSDP replica group spans dp, its shard group the inner axes)."""
+    d = dict(zip(AXES, degrees))
+    axes = [a for a in AXES if a in label.split("+")] or (["dp"] if label == "dp_replicate" else
+                                                          [a for a in ("ep", "cp", "dp") if d[a] > 1][:1])
+    return group_size(d, label, hsdp), _link(axes[0], d, gpus_per_node, hw)
+
+
+def comm_s(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: int, seq_len: int, hw: Hardware,
+           gpus_per_node: int, rank: int = 0) -> tuple[float, float, float, float, float]:
+    """Seconds `rank` spends in one step's collectives (comm_model.step_collectives,
+    each by the alpha-beta model on its group's link): (tp, ep all-to-all, cp ring,
+    pp, the data-parallel rest)."""
+    calls, nbytes = step_collectives(spec, cfg, par, micro_batch, microbatches, seq_len, rank, by_part=True)
+    degrees = tuple(par.degrees().values())
+    out = dict.fromkeys(("tp", "ep", "cp", "pp", "dp"), 0.0)
+    for (part, kind, label), n_calls in calls.items():
+        if kind == "recv":   # the mirror of a send: the link carries both at once
+            continue
+        n, link = _group(label, degrees, par.hsdp, gpus_per_node, hw)
+        full = nbytes[(part, kind, label)] * (n if kind == "all_gather" else 1)    # the whole tensor
+        out[part] += n_calls * collective_s("p2p" if kind == "send" else kind, full / n_calls,
+                                            2 if kind == "send" else n, link)
+    return out["tp"], out["ep"], out["cp"], out["pp"], out["dp"]
 
 
 def _layer_elements(cfg, t: int, sp: bool) -> float:
@@ -168,39 +206,15 @@ def predict(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: int,
     if not par.compile:   # each micro-batch takes the longer of its GPU work and its eager host time
         host = microbatches * (hw.host_microbatch_s + layers * hw.host_layer(par.recompute))
         compute = max(compute, host)
-    act_bytes = 2 * micro_batch * seq_len / d["cp"] * cfg.dim   # one bf16 activation of a micro-batch
-    tp_link = _link("tp", d, gpus_per_node, hw)
-    if par.sp:
-        tp_comm = 4 * (collective_s("all_gather", act_bytes, d["tp"], tp_link)
-                       + collective_s("reduce_scatter", act_bytes, d["tp"], tp_link))
-    else:
-        tp_comm = 4 * collective_s("all_reduce", act_bytes, d["tp"], tp_link)
-    tp_comm *= layers * microbatches
-    n_dense = d["dp"] * d["cp"] * d["ep"]
-    dense_link = _link("dp", d, gpus_per_node, hw) if d["dp"] > 1 else _link("cp", d, gpus_per_node, hw)
-    gathers = 1 if par.zero in (0, 1, 2) else 2 * microbatches
-    scatters = 1 if par.zero in (0, 1) else microbatches
-    fsdp = (gathers * collective_s("all_gather", 2 * params_stage, n_dense, dense_link)
-            + scatters * collective_s("reduce_scatter", 4 * params_stage, n_dense, dense_link))
+    comm = max((comm_s(spec, cfg, par, micro_batch, microbatches, seq_len, hw, gpus_per_node, rank)
+                for rank in _pp_ranks(d)), key=sum)
+    tp_comm, ep_comm, cp_ring, pp_comm, fsdp = comm
     fsdp_exposed = max(0.0, fsdp - compute) + fsdp / max(1, layers)
-    pp_comm = 0.0
-    if d["pp"] > 1:
-        pp_comm = 2 * microbatches * collective_s("p2p", act_bytes / (d["tp"] if par.sp else 1), 2,
-                                                  _link("pp", d, gpus_per_node, hw))
-    ep_comm = 0.0
-    moe = getattr(cfg, "moe", None)
-    if moe is not None and d["ep"] > 1:
-        routed = act_bytes * moe.top_k
-        ep_comm = 4 * layers * microbatches * collective_s("all_to_all", routed, d["ep"],
-                                                           _link("ep", d, gpus_per_node, hw))
     cp_comm = 0.0
-    if d["cp"] > 1:   # the ring: cp-1 K/V blocks forward, K/V and dK/dV backward, behind the block's attention
-        kv_bytes = 2 * 2 * micro_batch * seq_len / d["cp"] * getattr(cfg, "n_kv_heads", cfg.n_heads) * (
-            cfg.dim // cfg.n_heads) / d["tp"]
-        ring = 3 * (d["cp"] - 1) * collective_s("p2p", kv_bytes, 2, _link("cp", d, gpus_per_node, hw))
+    if d["cp"] > 1:   # the ring's transfers run behind the attention of the block before
         attention = 3 * 4 * micro_batch * seq_len ** 2 / d["cp"] * cfg.dim / d["tp"] / (
             hw.peak_flops * hw.attention_efficiency)
-        cp_comm = max(0.0, ring - attention) * layers * microbatches
+        cp_comm = max(0.0, cp_ring - attention * layers * microbatches)
     busy = compute + tp_comm + ep_comm + cp_comm
     bubble = bubble_fraction(par.pp_schedule, d["pp"], microbatches, par.pp_virtual) if d["pp"] > 1 else 0.0
     step = busy / (1 - bubble) + pp_comm + fsdp_exposed
@@ -295,5 +309,5 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["GPUS", "Hardware", "Prediction", "coordinate", "layouts", "plan", "predict",
-           "state_bytes"]
+__all__ = ["GPUS", "Hardware", "Prediction", "comm_s", "coordinate", "layouts", "plan", "predict",
+           "state_bytes", "step_collectives"]

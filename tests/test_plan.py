@@ -44,8 +44,12 @@ def _measured_and_predicted(rank, world, argv):
                      for v in s.values() if torch.is_tensor(v)),
     }
     par = dataclasses.replace(trainer.config.parallel, **resolve_degrees(world, **trainer.config.parallel.degrees()))
+    tr = trainer.config.training
+    calls, nbytes = plan.step_collectives(trainer.spec, trainer.model_config, par, tr.micro_batch,
+                                          trainer.microbatches, tr.seq_len, rank, device="cpu")
+    named = lambda counts: {" ".join(k): v for k, v in counts.items()}  # noqa: E731
     return measured, plan.state_bytes(trainer.spec, trainer.model_config, par, rank), \
-        {" ".join(k): v for k, v in count.bytes.items()}
+        (named(count.bytes), named(count.calls)), (named(nbytes), named(calls))
 
 
 LAYOUTS = {
@@ -106,18 +110,20 @@ def dry_runs():
                          ids=lambda v: " ".join(v).replace("--", "") if isinstance(v, list) else str(v))
 def test_each_ranks_state_and_collectives_equal_the_planner_and_the_dry_run(pools, dry_runs, world, argv):
     # bytes of parameters, gradients and optimizer state: measured after a real step, the
-    # planner's formula, the dry run's meta build; bytes per (collective, mesh axes) of one
-    # step: counted on gloo, counted by the dry run on fake tensors
+    # planner's formula, the dry run's meta build; calls and bytes per (collective, mesh axes)
+    # of one step: counted on gloo, the planner's model (comm_model), counted by the dry run
+    # on fake tensors
     real = pools.run(world, _measured_and_predicted, argv + ARGS, timeout=300)
     dry = dry_runs(world, argv + ARGS)
-    for rank, ((measured, predicted, _), (built, _)) in enumerate(zip(real, dry)):
+    for rank, ((measured, predicted, _, _), (built, _)) in enumerate(zip(real, dry)):
         assert measured == predicted == built, f"rank {rank}"
-    counted, simulated = [r[2] for r in real], [d[1] for d in dry]
+    counted, planned, simulated = [r[2][0] for r in real], [r[3][0] for r in real], [d[1] for d in dry]
     assert all(counted), argv   # every layout here communicates
-    if "--ep" in argv:   # the routing decides what each rank sends back, not the total
-        total = [sum(r.pop("all_to_all ep") for r in ranks) for ranks in (counted, simulated)]
-        assert total[0] == total[1], total
-    assert counted == simulated
+    assert [r[2][1] for r in real] == [r[3][1] for r in real]   # calls
+    if "--ep" in argv:   # the routing decides what each rank's all-to-alls send back, not their total
+        total = [sum(r.pop("all_to_all ep") for r in ranks) for ranks in (counted, planned, simulated)]
+        assert total[0] == total[1] == total[2], total
+    assert counted == planned == simulated
 
 
 def test_plan_ranks_every_layout_of_64_gpus_in_under_2_seconds():
@@ -156,6 +162,7 @@ def test_the_dry_run_command_prints_the_planners_bytes_for_large_layouts(argv, w
     assert [int(c.split()[1].rstrip(":")) for c in counted] == ranks, out.stdout
     assert all("reduce_scatter over" in c and ("all_gather over tp" in c or "all_to_all over ep" in c)
                for c in counted), out.stdout
+    assert all(c.endswith("planner equal") for c in counted), out.stdout   # at 64 ranks too
 
 
 def test_the_dry_run_refuses_a_bad_layout_before_building_anything():

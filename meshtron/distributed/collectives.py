@@ -29,6 +29,7 @@ _c10d, _funcol = torch.ops.c10d, torch.ops._c10d_functional
 # op -> (kind, index of the argument whose bytes count, index of the group argument)
 _OPS = {
     _c10d._allgather_base_: ("all_gather", 1, 2),
+    _c10d.allgather_: ("all_gather", 1, 2),                 # dist.all_gather's list form
     _c10d.allgather_into_tensor_coalesced_: ("all_gather", 1, 2),
     _c10d._reduce_scatter_base_: ("reduce_scatter", 1, 2),
     _c10d.reduce_scatter_tensor_coalesced_: ("reduce_scatter", 1, 2),

@@ -1,0 +1,348 @@
+"""Each rank's collectives of one training step, from the config and the model
+spec alone (no model is built, no tensor made): calls and bytes per (kind, mesh
+axes), keyed and counted as meshtron.distributed.collectives.CollectiveCounter
+counts them (an all-gather the shard this rank sends, a reduce-scatter or
+all-reduce the whole tensor, a send or receive what it moves). The planner's
+step time is built on these (meshtron.plan.predict); tests/test_plan.py holds
+them equal to what gloo counts for every layout it runs.
+
+Where each comes from, per micro-batch unless said:
+- FSDP (data_parallel.py): one all-gather per unit (a block, the experts of an
+  MoE block, the rest of a stage) of its shard, each parameter's dim 0 padded
+  to a multiple of the shard count, in the compute dtype; a reduce-scatter of
+  the padded whole in the reduce dtype (an all-reduce under zero 0, and across
+  HSDP replicas, once a step). Zero 3 gathers a block again for its backward
+  (under a pipeline m + 1 times a step: a forward after a backward finds it
+  gathered); zero 0-2 gather once a step, zero 0-1 reduce once a step, and so
+  does a pipeline's stage.
+- TP: with SP, a block all-gathers its attention's and its MLP's input and
+  reduce-scatters their outputs, and the backward mirrors each; without SP an
+  all-reduce of each output forward and of each input's gradient backward. The
+  embedding and the head add one each way; the vocab-parallel loss three (N,)
+  fp32 all-reduces. SP's norms give Partial gradients, all-reduced over tp.
+- CP: the ring passes K and V round (cp - 1 steps forward, again backward) and
+  dK, dV in the attention's accumulator (fp32 on GPUs, fp64 on the CPU).
+- EP: per MoE block an all-to-all of the expert counts, of the token copies
+  there and back, and both again backward. What a rank receives depends on the
+  routing: predicted as if every rank received what it sends (exact summed
+  over the ranks).
+- PP: each activation to the next stage on another rank, its gradient back;
+  tied weights' gradients between the ranks holding their copies.
+- Scalars: the loss' token count and sum over dp x cp x ep, the gradient norm
+  once per (mesh, sharded axis) group and over pp, the MoE routing sums.
+Recompute re-runs a block's forward collectives in its backward (selective:
+only what it does not save, the all-gathers and c10d ops). Not modelled: async
+TP's eager ring, which moves SP's all-gathers and reduce-scatters as sends over
+tp (counted here as the collectives they replace).
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import math
+
+from torch.distributed.tensor.parallel import PrepareModuleInputOutput, SequenceParallel
+
+from meshtron import models
+from meshtron.distributed.data_parallel import DTYPES
+from meshtron.distributed.mesh import AXES, SUBMESHES
+from meshtron.distributed.pipeline_parallel import stage_ids_of, stage_owner
+from meshtron.distributed.tensor_parallel import matches
+from meshtron.models.common.moe import Experts
+from meshtron.state import _meta_model, _param_table, coordinate
+
+Key = tuple[str, str]
+
+
+def _size(dtype: str) -> int:
+    return DTYPES[dtype].itemsize
+
+
+def _label(d: dict[str, int], axes) -> str:
+    """A group's name as CollectiveCounter gives it: its axes of size > 1."""
+    return "+".join(a for a in axes if d[a] > 1)
+
+
+def _hsdp_labels(d: dict[str, int], replicas: int) -> tuple[str, int, str]:
+    """(shard group's name, its size, replica group's name) of the dense data-parallel
+    group split into `replicas` x shards: the replicas are its outer ranks. A group
+    that is one mesh axis takes that axis' name."""
+    dense = [a for a in SUBMESHES["dense_dp"] if d[a] > 1]
+    n = math.prod(d[a] for a in dense)
+    shards = n // replicas
+    if replicas in (1, n):
+        return _label(d, dense), shards, _label(d, dense)
+
+    def name(size, inner, fallback):
+        axes, span = [], 1
+        for a in (reversed(dense) if inner else dense):
+            if span == size:
+                break
+            axes.append(a)
+            span *= d[a]
+        return axes[0] if len(axes) == 1 and span == size else fallback
+    return name(shards, True, "dp_shard"), shards, name(replicas, False, "dp_replicate")
+
+
+@functools.cache
+def _layout_of(spec_name: str, cfg, tp: int, sp: bool, loss_parallel: bool):
+    """Per parameter id: (TP-local shape, is an expert weight, is a TP DTensor, is
+    split over tp, has a Partial gradient under SP), and every name of it."""
+    spec, model = models.MODELS[spec_name], _meta_model(spec_name, cfg)
+    table = _param_table(spec_name, cfg, tp, sp, loss_parallel)
+    modules = dict(model.named_modules())
+    moe = any(isinstance(m, Experts) for m in modules.values())
+    plan = spec.tp_plan(model, sp, loss_parallel, moe) if tp > 1 else {}
+    styles = {}
+    for pattern, style in plan.items():
+        for n in modules:
+            if matches(pattern, n):
+                styles[n] = style
+    whole = [n for n, s in styles.items() if isinstance(s, PrepareModuleInputOutput)]   # MoE blocks stay local
+    params, names = {}, collections.defaultdict(list)
+    whole_shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+    for name, (pid, shape, expert) in table.items():
+        mname = name.rpartition(".")[0]
+        full = whole_shapes[name]
+        local = any(mname == w or mname.startswith(w + ".") for w in whole)
+        style = styles.get(mname)
+        partial = sp and isinstance(style, SequenceParallel)
+        params[pid] = (shape, expert, tp > 1 and not local and not expert, shape != full, partial)
+        names[pid].append(name)
+    return params, dict(names)
+
+
+@functools.cache
+def _units(spec_name: str, cfg, tp: int, sp: bool, loss_parallel: bool, n_stages: int, stage: int):
+    """A stage's FSDP units, [(kind, [parameter ids])] with kind "block", "experts"
+    (an MoE block's) or "root" (the rest of the stage), and its block names."""
+    spec = models.MODELS[spec_name]
+    params, names = _layout_of(spec_name, cfg, tp, sp, loss_parallel)
+    held = spec.pipeline_split(cfg, n_stages)[stage]
+    blocks = [n for n in held if n.startswith("layers.")]   # the split names the blocks FSDP wraps one by one
+    units = {b: [] for b in blocks} | {b + ".experts": [] for b in blocks} | {"": []}
+    for pid, ns in names.items():
+        for n in ns:
+            owner = next((h for h in held if n.startswith(h + ".")), None)
+            if owner is None:
+                continue
+            unit = owner + ".experts" if owner in blocks and params[pid][1] else (owner if owner in blocks else "")
+            if pid not in units[unit]:
+                units[unit].append(pid)
+    out = [("experts" if u.endswith(".experts") else "block" if u else "root", ids) for u, ids in units.items() if ids]
+    return out, blocks
+
+
+def _padded(shape, k: int) -> int:
+    """Elements of FSDP's shard of a parameter: dim 0 padded to a multiple of the k shards."""
+    return -(-shape[0] // k) * math.prod(shape[1:])
+
+
+@functools.cache
+def _stage(spec_name: str, cfg, tp: int, sp: bool, loss_parallel: bool, n_stages: int, stage: int, ep: int,
+           k_dense: int, k_expert: int):
+    """A stage's FSDP units as {(kind, shard elements): how many}, the sizes of its
+    parameters with Partial gradients, its parameters' kinds for the gradient norm
+    (expert, TP DTensor, split over tp), its number of blocks."""
+    params, _ = _layout_of(spec_name, cfg, tp, sp, loss_parallel)
+    units, blocks = _units(spec_name, cfg, tp, sp, loss_parallel, n_stages, stage)
+    sizes, partial, kinds = collections.Counter(), [], set()
+    for kind, ids in units:
+        numel = 0
+        for p in ids:
+            shape, expert, tp_dtensor, tp_split, has_partial = params[p]
+            numel += _padded((shape[0] // ep,) + shape[1:], k_expert) if expert else _padded(shape, k_dense)
+            if has_partial:
+                partial.append(math.prod(shape))
+            kinds.add((expert, tp_dtensor, tp_split))
+        sizes[(kind, numel)] += 1
+    return dict(sizes), tuple(partial), frozenset(kinds), len(blocks)
+
+
+@functools.cache
+def _tied(spec_name: str, cfg, tp: int, sp: bool, loss_parallel: bool, n_stages: int) -> list[tuple[int, set[int]]]:
+    """[(parameter id, the stages holding a copy)] of the weights with several names."""
+    split = models.MODELS[spec_name].pipeline_split(cfg, n_stages)
+    _, names = _layout_of(spec_name, cfg, tp, sp, loss_parallel)
+    return [(pid, {s for s, held in enumerate(split) for n in ns if any(n.startswith(h + ".") for h in held)})
+            for pid, ns in names.items() if len(ns) > 1]
+
+
+def step_collectives(spec, cfg, par, micro_batch: int, microbatches: int, seq_len: int, rank: int = 0,
+                     device: str = "cuda", by_part: bool = False) -> tuple[dict[Key, int], dict[Key, int]]:
+    """(calls, bytes) per (kind, mesh axes) that `rank` issues in one training step
+    under `par` (explicit degrees). `device`: where it runs ("cpu" changes the
+    dtype of the context-parallel ring's gradients). `by_part`: keys (part, kind,
+    axes), part one of "dp" (FSDP and the scalars), "tp", "cp", "ep", "pp", for the
+    step time (an all-gather over cp may be FSDP's or attention's)."""
+    d, m, mb = par.degrees(), microbatches, micro_batch
+    c = coordinate(rank, d)
+    calls, nbytes = collections.Counter(), collections.Counter()
+
+    def add(kind: str, group: str, size: int, n: float = 1, part: str = "dp") -> None:
+        if group and size and n:
+            key = (part, kind, group) if by_part else (kind, group)
+            calls[key] += n
+            nbytes[key] += int(size * n)
+
+    a, r = _size(par.dtype), _size(par.reduce_dtype)
+    tp, cp, pp, ep = d["tp"], d["cp"], d["pp"], d["ep"]
+    sp = par.sp and tp > 1
+    dense = SUBMESHES["dense_dp"]
+    n_dense = math.prod(d[x] for x in dense)
+    fsdp = n_dense > 1 or par.dtype != "fp32"
+    zero = par.zero if n_dense > 1 else 1
+    shard_label, k_dense, replica_label = _hsdp_labels(d, n_dense if zero == 0 else par.hsdp)
+    if zero == 0:
+        k_dense = 1
+    expert_label, k_expert = _label(d, SUBMESHES["expert_dp"]), d["dp"] * d["cp"]
+    loss_label = _label(d, SUBMESHES["loss"])
+    params, names = _layout_of(spec.name, cfg, tp, par.sp, par.loss_parallel)
+    n_stages = pp * par.pp_virtual
+    stages = stage_ids_of(c["pp"], pp, par.pp_virtual, par.pp_schedule) if pp > 1 else [0]
+    moe = getattr(cfg, "moe", None)
+
+    summaries = [_stage(spec.name, cfg, tp, par.sp, par.loss_parallel, n_stages, s, ep, k_dense, k_expert)
+                 for s in stages]
+
+    # ---- FSDP, and SP's Partial gradients ------------------------------------------------
+    gathers = {"root": 1 if pp > 1 or zero < 3 else m, "block": (m + 1 if pp > 1 else 2 * m) if zero == 3 else 1}
+    gathers["experts"] = gathers["block"]
+    reductions = 1 if pp > 1 or zero < 2 else m
+    accumulated = (pp > 1 or zero < 2) and m > 1 and a != r    # unsynced micro-batches accumulate in fp32
+    for units, partial, _, _ in summaries:
+        for (kind, numel), count in units.items():
+            expert = kind == "experts"
+            if fsdp:
+                k, group = (k_expert, expert_label) if expert else (k_dense, shard_label)
+                add("all_gather", group if k > 1 else "", numel * a, gathers[kind] * count)
+                if zero == 0 and not expert:
+                    add("all_reduce", replica_label, numel * r, reductions * count)
+                else:
+                    add("reduce_scatter", group if k > 1 else "", numel * k * r, reductions * count)
+                    if par.hsdp > 1 and not expert:
+                        add("all_reduce", replica_label, numel * r, count)
+        for numel in partial:   # under FSDP one at its reduction; else one bucket at the clipping
+            add("all_reduce", "tp", numel * (r if accumulated else a), reductions if fsdp else 0, "tp")
+    if not fsdp:
+        add("all_reduce", "tp", sum(sum(p) for _, p, _, _ in summaries) * a, part="tp")
+
+    # ---- activations: TP, CP, EP per micro-batch ---------------------------------------------
+    tokens = mb * seq_len // cp
+    h = cfg.dim
+    act, act_shard = tokens * h * a, tokens * h * a // tp
+    hd = cfg.dim // cfg.n_heads
+    heads, kv_heads = cfg.n_heads // tp, getattr(cfg, "n_kv_heads", cfg.n_heads) // tp
+    kv = mb * kv_heads * (seq_len // cp) * hd
+    acc = 8 if device == "cpu" or a == 8 else 4        # context_parallel._acc
+    refwd = {"none": 0, "full": 1, "selective": 1}[par.recompute]
+    gathers_again = 1 if par.recompute == "full" or par.recompute == "selective" else 0
+    # selective saves all-reduces and reduce-scatters; full recomputes the attention's, not
+    # the block's last (torch's checkpoint stops once backward has what it needs)
+    reductions_again = 1 if par.recompute == "full" else 0
+
+    def tp_block(is_moe: bool, blocks: int) -> None:
+        matmuls = 1 if is_moe else 2       # an MoE block's MLP runs whole on each tp rank
+        m = microbatches * blocks
+        if sp:
+            add("all_gather", "tp", act_shard, m * (2 * matmuls + gathers_again * matmuls), part="tp")
+            add("reduce_scatter", "tp", act, m * (2 * matmuls + reductions_again), part="tp")
+            if is_moe:   # its input gathered, its output split; the split's backward gathers
+                add("all_gather", "tp", act_shard, m * (2 + gathers_again), part="tp")
+        else:
+            add("all_reduce", "tp", act, m * (2 * matmuls + reductions_again), part="tp")
+
+    def cp_block(blocks: int) -> None:
+        m = microbatches * blocks
+        if par.cp_comm == "p2p":
+            for kind in ("send", "recv"):
+                add(kind, "cp", kv * a, m * 2 * (cp - 1) * (2 + refwd), part="cp")
+                add(kind, "cp", kv * acc, m * 2 * cp, part="cp")
+        elif par.cp_comm == "allgather":
+            add("all_gather", "cp", kv * a, m * 2 * (1 + refwd), part="cp")
+            add("reduce_scatter", "cp", kv * a * cp, m * 2, part="cp")
+        else:
+            q_kv_out = (2 * heads + 2 * kv_heads) * mb * (seq_len // cp) * hd * a
+            add("all_to_all", "cp", q_kv_out, m * (2 + refwd), part="cp")
+
+    def moe_block(blocks: int) -> None:
+        m = microbatches * blocks
+        E, k = moe.n_experts, moe.top_k
+        add("all_reduce", loss_label, (2 * E + 1) * 4, m * (1 + refwd))
+        if moe.capacity > 0:
+            add("all_gather", loss_label, tokens * k * a, m * (1 + refwd))
+            add("all_gather", loss_label, tokens * k * 8, m * (1 + refwd))
+        if ep > 1:
+            add("all_to_all", "ep", 8 * E, m * (1 + refwd), part="ep")
+            add("all_to_all", "ep", tokens * k * h * a, m * (4 + 2 * refwd), part="ep")
+
+    for s, (_, _, _, n_blocks) in zip(stages, summaries):
+        if tp > 1:
+            tp_block(moe is not None, n_blocks)
+        if cp > 1:
+            cp_block(n_blocks)
+        if moe is not None:
+            moe_block(n_blocks)
+        if tp > 1 and s == 0:   # the vocab-parallel embedding
+            if sp:
+                add("reduce_scatter", "tp", act, m, part="tp")
+                add("all_gather", "tp", act_shard, m, part="tp")
+                if getattr(cfg, "pos_emb", None) == "learned":   # the positions' table, split by SP
+                    add("all_gather", "tp", seq_len // cp // tp * h * a, m, part="tp")
+            else:
+                add("all_reduce", "tp", act, m, part="tp")
+        if tp > 1 and s == n_stages - 1:   # the head, and the loss over its vocab shards
+            if sp:
+                add("all_gather", "tp", act_shard, m, part="tp")
+                add("reduce_scatter", "tp", act, m, part="tp")
+            else:
+                add("all_reduce", "tp", act, m, part="tp")
+            if par.loss_parallel:
+                add("all_reduce", "tp", tokens * (8 if a == 8 else 4), 3 * m, part="tp")
+            else:
+                add("all_gather", "tp", tokens * cfg.vocab_size // tp * a, m, part="tp")
+
+    # ---- the pipeline ---------------------------------------------------------------------
+    if pp > 1:
+        hop = mb * (seq_len // cp // (tp if sp else 1)) * h * a
+        owner = functools.partial(stage_owner, pp=pp, virtual=par.pp_virtual, schedule=par.pp_schedule)
+        for s in stages:
+            for peer in (s - 1, s + 1):
+                if 0 <= peer < n_stages and owner(peer) != c["pp"]:
+                    add("send", "pp", hop, m, part="pp")
+                    add("recv", "pp", hop, m, part="pp")
+        for pid, held in _tied(spec.name, cfg, tp, par.sp, par.loss_parallel, n_stages):
+            holders = {owner(st) for st in held}   # a tied weight's copies on two pp ranks swap gradients
+            if len(holders) > 1 and c["pp"] in holders:
+                numel = _padded(params[pid][0], k_dense) if fsdp else math.prod(params[pid][0])
+                add("send", "pp", numel * 4, part="pp")
+                add("recv", "pp", numel * 4, part="pp")
+        add("all_reduce", "pp", 4, 2, "pp")    # the loss' sum over stages, the squared norm's
+        if moe is not None:
+            add("all_reduce", "pp", 3 * 4, part="pp")    # the MoE statistics: sums, then the worst load
+            add("all_reduce", "pp", 4, part="pp")
+
+    # ---- scalars: the loss, the gradient norm ---------------------------------------------
+    add("all_reduce", loss_label, 4, 2)
+    groups = set()
+    for expert, tp_dtensor, tp_split in set().union(*(kinds for _, _, kinds, _ in summaries)):
+        if expert:
+            groups.add(("experts", ((expert_label,) if fsdp and k_expert > 1 else ()) + (("ep",) if ep > 1 else ())))
+        else:
+            sharded = ((shard_label,) if fsdp and k_dense > 1 else ()) + (("tp",) if tp_split else ())
+            groups.add(("dense", tp_dtensor, sharded))
+    for g in groups:
+        for axis in g[-1]:
+            add("all_reduce", axis, 4)
+    return dict(calls), dict(nbytes)
+
+
+def group_size(d: dict[str, int], label: str, hsdp: int = 1) -> int:
+    """How many ranks a CollectiveCounter group name spans."""
+    n_dense = math.prod(d[a] for a in SUBMESHES["dense_dp"])
+    if label == "dp_shard":
+        return n_dense // hsdp
+    if label == "dp_replicate":
+        return hsdp
+    return math.prod(d[a] for a in label.split("+") if a in AXES)
+
