@@ -71,6 +71,22 @@ LAYOUTS = {
         ["--model", "llama-moe-tiny", "--dp", "2", "--cp", "2", "--ep", "2", "--zero", "1"]],
 }
 
+# layouts the dry run alone plays (it counts what gloo counts for the layouts above): the
+# planner's collectives against it under recompute, bf16 with accumulation, the other CP
+# variants, MoE with TP, capacity or a pipeline
+DRY_ONLY = {
+    2: [["--model", "llama-moe-tiny", "--dp", "2", "--moe-capacity", "1.25"]],
+    4: [["--model", "tiny", "--dp", "2", "--tp", "2", "--sp", "--zero", "3", "--recompute", "full"],
+        ["--model", "tiny", "--dp", "2", "--tp", "2", "--sp", "--zero", "2", "--recompute", "selective",
+         "--microbatches", "2"],
+        ["--model", "llama-tiny", "--dp", "2", "--tp", "2", "--sp", "--zero", "1", "--dtype", "bf16",
+         "--microbatches", "2"],
+        ["--model", "llama-tiny", "--dp", "2", "--cp", "2", "--cp-comm", "allgather", "--zero", "2"],
+        ["--model", "llama-tiny", "--cp", "2", "--cp-comm", "a2a", "--tp", "2", "--recompute", "full"],
+        ["--model", "llama-moe-tiny", "--tp", "2", "--sp", "--ep", "2"],
+        ["--model", "llama-moe-tiny", "--pp", "2", "--ep", "2", "--global-batch", "8", "--micro-batch", "2"]],
+}
+
 
 _DRY_RUN = """
 import json, sys
@@ -91,7 +107,7 @@ def dry_runs():
     """(world, argv) -> per rank [state bytes, collectives] from one process that
     plays every rank of every layout below (meshtron.dry_run), started at once and
     running beside the real runs."""
-    layouts = [(w, a + ARGS) for w, group in LAYOUTS.items() for a in group]
+    layouts = [(w, a + ARGS) for table in (LAYOUTS, DRY_ONLY) for w, group in table.items() for a in group]
     proc = subprocess.Popen([sys.executable, "-c", _DRY_RUN, json.dumps(layouts)], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     results = {}
@@ -124,6 +140,24 @@ def test_each_ranks_state_and_collectives_equal_the_planner_and_the_dry_run(pool
         total = [sum(r.pop("all_to_all ep") for r in ranks) for ranks in (counted, planned, simulated)]
         assert total[0] == total[1] == total[2], total
     assert counted == planned == simulated
+
+
+@pytest.mark.parametrize("world,argv", [(w, a) for w, layouts in DRY_ONLY.items() for a in layouts],
+                         ids=lambda v: " ".join(v).replace("--", "") if isinstance(v, list) else str(v))
+def test_the_planners_collectives_equal_the_dry_runs_count(dry_runs, world, argv):
+    from meshtron.config import Config
+    from meshtron.layout import resolve_layout
+    config = Config.from_args(argv + ARGS, models=models.PRESETS)
+    spec, cfg, degrees, microbatches, _ = resolve_layout(config, world)
+    par, tr = dataclasses.replace(config.parallel, **degrees), config.training
+    planned = [{" ".join(k): v for k, v in plan.step_collectives(spec, cfg, par, tr.micro_batch, microbatches,
+                                                                  tr.seq_len, rank, device="cpu")[1].items()}
+               for rank in range(world)]
+    counted = [d[1] for d in dry_runs(world, argv + ARGS)]
+    if "--ep" in argv:   # the routing decides what each rank's all-to-alls send back, not their total
+        total = [sum(r.pop("all_to_all ep") for r in ranks) for ranks in (counted, planned)]
+        assert total[0] == total[1], total
+    assert counted == planned
 
 
 def test_plan_ranks_every_layout_of_64_gpus_in_under_2_seconds():
