@@ -10,8 +10,8 @@ FLOPs: one projection of E experts with n tokens each is 2 * E * n * d * h; the
 dense peer multiplies (E n, d) by (d, h), the same count. An MoE layer (router,
 top-k of E SwiGLU experts of width h) does 6 * k * d * h FLOPs per token forward
 (three projections), the dense peer a SwiGLU MLP of width k * h; backward twice
-that. Times are medians over 20 repetitions of 10 calls back to back (CUDA
-events), after 5 warm-ups.
+that. Times (`timings`): the wall time of calls back to back, and the GPU's
+kernel time per call.
 """
 from __future__ import annotations
 
@@ -24,13 +24,16 @@ import torch
 from meshtron.models.common.moe import Experts, MoE, MoEConfig, grouped_mm
 
 
-def median_ms(fn, reps: int = 20, warmup: int = 5, inner: int = 10) -> float:
-    """Median over reps of the time of `inner` calls back to back, per call: the
-    GPU's time, where the host queues calls faster than they run."""
+def timings(fn, reps: int = 20, warmup: int = 5, inner: int = 10) -> tuple[float, float]:
+    """(wall, GPU) ms per call. Wall: the median over reps of `inner` calls back to
+    back between CUDA events, which includes the GPU's idle gaps where the host
+    launches slower than the kernels run (small groups); GPU: the kernels' own time
+    per call (the profiler's), what a step pays when the host runs ahead, as it
+    does in training."""
     for _ in range(warmup):
         fn()
     if not torch.cuda.is_available():
-        return float("nan")
+        return float("nan"), float("nan")
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -40,41 +43,45 @@ def median_ms(fn, reps: int = 20, warmup: int = 5, inner: int = 10) -> float:
         b.record()
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b) / inner)
-    return statistics.median(times)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(inner):
+            fn()
+        torch.cuda.synchronize()
+    kernels = sum(e.device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA")
+    return statistics.median(times), kernels / 1e3 / inner
 
 
 def grouped_rows(d, h, experts, per_expert, dtype, device):
+    """One projection of width h (w2's) and 2h (the fused gate|up w1) against a
+    dense GEMM of the same FLOPs: {width: (flops, grouped (wall, gpu), dense (wall, gpu))}."""
     x = torch.randn(experts * per_expert, d, dtype=dtype, device=device)
-    w = torch.randn(experts, d, h, dtype=dtype, device=device) / d ** 0.5
-    dense_w = torch.randn(d, h, dtype=dtype, device=device) / d ** 0.5
     counts = torch.full((experts,), per_expert, device=device)
-    flops = 2 * experts * per_expert * d * h
-    t_grouped = median_ms(lambda: grouped_mm(x, w, counts))
-    t_dense = median_ms(lambda: x @ dense_w)
-    # the same product with each expert's weight stored (N, K), as nn.Linear and torchtitan keep it
-    w_nk = w.transpose(-2, -1).contiguous()
-    t_nk = median_ms(lambda: grouped_mm(x, w_nk.transpose(-2, -1), counts))
-    return flops, t_grouped, t_dense, t_nk
+    rows = {}
+    for width in (h, 2 * h):
+        w = torch.randn(experts, d, width, dtype=dtype, device=device) / d ** 0.5
+        dense_w = torch.randn(d, width, dtype=dtype, device=device) / d ** 0.5
+        rows[width] = (2 * experts * per_expert * d * width, timings(lambda w=w: grouped_mm(x, w, counts)),
+                       timings(lambda w=dense_w: x @ w))
+    return rows
 
 
 def experts_row(d, h, experts, per_expert, dtype, device):
     """The experts module (SwiGLU: w1 gate|up as one grouped GEMM, then w2) forward +
     backward against one dense MLP of the same shape over all the rows: the same
     FLOPs and elementwise work, only the grouping differs."""
-    cfg = MoEConfig(n_experts=experts, hidden=h)
-    grouped = Experts(d, cfg).to(device, dtype)
-    w1, w2 = (torch.randn(d, 2 * h), torch.randn(h, d))
+    grouped = Experts(d, MoEConfig(n_experts=experts, hidden=h)).to(device, dtype)
     for p in grouped.parameters():
         torch.nn.init.normal_(p, std=d ** -0.5)
-    w1, w2 = ((w * d ** -0.5).to(device, dtype).requires_grad_() for w in (w1, w2))
+    w1, w2 = ((torch.randn(*shape) * d ** -0.5).to(device, dtype).requires_grad_() for shape in ((d, 2 * h), (h, d)))
     x = torch.randn(experts * per_expert, d, dtype=dtype, device=device, requires_grad=True)
+    dy = torch.randn(experts * per_expert, d, dtype=dtype, device=device)
     counts = torch.full((experts,), per_expert, device=device)
     flops = 3 * 6 * experts * per_expert * d * h          # three projections, forward and backward
 
     def dense():
         gate, up = (x @ w1).chunk(2, dim=-1)
-        ((torch.nn.functional.silu(gate) * up) @ w2).sum().backward()
-    return flops, median_ms(lambda: grouped(x, counts).sum().backward()), median_ms(dense)
+        ((torch.nn.functional.silu(gate) * up) @ w2).backward(dy)
+    return flops, timings(lambda: grouped(x, counts).backward(dy)), timings(dense)
 
 
 def layer_row(d, h, n_experts, top_k, tokens, dtype, device):
@@ -92,7 +99,7 @@ def layer_row(d, h, n_experts, top_k, tokens, dtype, device):
     def dense_step():
         y = dense["w2"](torch.nn.functional.silu(dense["w1"](x)) * dense["w3"](x))
         y.sum().backward()
-    return 3 * 6 * top_k * d * h * tokens, median_ms(moe_step), median_ms(dense_step)
+    return 3 * 6 * top_k * d * h * tokens, timings(moe_step), timings(dense_step)
 
 
 def main(argv=None) -> None:
@@ -104,27 +111,26 @@ def main(argv=None) -> None:
     d, h, E, k = (2048, 2048, 16, 2) if not args.smoke else (32, 16, 4, 2)
     print(f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'} | torch {torch.__version__} | "
           f"{dtype} | d={d} h={h}")
-    print("grouped GEMM against a dense GEMM of the same FLOPs")
-    print(f"{'experts':>8} {'tokens/expert':>14} {'grouped ms':>11} {'dense ms':>9} {'grouped TFLOP/s':>16} "
-          f"{'grouped/dense':>14} {'(N,K) ms':>9} {'(N,K)/dense':>12}")
-    for experts in ((4, 16) if not args.smoke else (2,)):       # ep=4 holds 4 of 16; ep=1 all 16
-        for per_expert in ((256, 512, 1024, 2048, 4096) if not args.smoke else (8,)):
-            flops, tg, td, tnk = grouped_rows(d, h, experts, per_expert, dtype, device)
-            print(f"{experts:>8} {per_expert:>14} {tg:>11.3f} {td:>9.3f} {flops / tg / 1e9:>16.1f} "
-                  f"{td / tg:>14.3f} {tnk:>9.3f} {td / tnk:>12.3f}")
-    print("expert MLPs (SwiGLU) forward+backward against one dense MLP of the same shape over the same rows")
-    print(f"{'experts':>8} {'tokens/expert':>14} {'grouped ms':>11} {'dense ms':>9} {'grouped TFLOP/s':>16} "
-          f"{'grouped/dense':>14}")
-    for experts in ((4, 16) if not args.smoke else (2,)):
-        for per_expert in ((256, 512, 1024, 2048, 4096) if not args.smoke else (8,)):
-            flops, tg, td = experts_row(d, h, experts, per_expert, dtype, device)
-            print(f"{experts:>8} {per_expert:>14} {tg:>11.3f} {td:>9.3f} {flops / tg / 1e9:>16.1f} {td / tg:>14.3f}")
-    print("one MoE layer (router, top-2 of 16 SwiGLU experts) forward+backward against a dense SwiGLU of width k*h")
-    print(f"{'tokens':>8} {'moe ms':>8} {'dense ms':>9} {'moe TFLOP/s':>12} {'moe/dense speed':>16}")
-    for tokens in ((4096, 8192, 16384) if not args.smoke else (64,)):
-        flops, tm, td = layer_row(d, h, E, k, tokens, dtype, device)
-        print(f"{tokens:>8} {tm:>8.3f} {td:>9.3f} {flops / tm / 1e9:>12.1f} {td / tm:>16.3f}")
+    head = (f"{'ms wall / GPU':>16} {'dense':>16} {'TFLOP/s GPU':>12} {'/dense wall':>12} {'/dense GPU':>11}")
 
+    def cols(flops, t, td):
+        return (f"{t[0]:>7.3f} / {t[1]:>6.3f} {td[0]:>7.3f} / {td[1]:>6.3f} {flops / t[1] / 1e9:>12.1f} "
+                f"{td[0] / t[0]:>12.3f} {td[1] / t[1]:>11.3f}")
+    sizes = [(e, n) for e in ((4, 16) if not args.smoke else (2,))      # ep=4 holds 4 of 16; ep=1 all 16
+             for n in ((256, 512, 1024, 2048, 4096) if not args.smoke else (8,))]
+    print("one projection (grouped GEMM) against a dense GEMM of the same FLOPs")
+    print(f"{'experts':>8} {'tokens/expert':>14} {'width':>6} " + head)
+    for experts, per_expert in sizes:
+        for width, (flops, t, td) in grouped_rows(d, h, experts, per_expert, dtype, device).items():
+            print(f"{experts:>8} {per_expert:>14} {width:>6} " + cols(flops, t, td))
+    print("expert MLPs (SwiGLU) forward+backward against one dense MLP of the same shape over the same rows")
+    print(f"{'experts':>8} {'tokens/expert':>14} " + head)
+    for experts, per_expert in sizes:
+        print(f"{experts:>8} {per_expert:>14} " + cols(*experts_row(d, h, experts, per_expert, dtype, device)))
+    print("one MoE layer (router, top-2 of 16 SwiGLU experts) forward+backward against a dense SwiGLU of width k*h")
+    print(f"{'tokens':>8} " + head)
+    for tokens in ((4096, 8192, 16384) if not args.smoke else (64,)):
+        print(f"{tokens:>8} " + cols(*layer_row(d, h, E, k, tokens, dtype, device)))
 
 if __name__ == "__main__":
     sys.exit(main())
