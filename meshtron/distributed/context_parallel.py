@@ -11,21 +11,24 @@ its queries over the whole sequence, one of three ways (`--cp-comm`):
   p2p        ring attention. K/V blocks travel around the cp ranks (the next
              block's send/recv runs while the current block is computed);
              partial outputs merge by their log-sum-exp in fp32; the backward
-             passes dK/dV (fp32) around the ring. A rank sends (cp-1)/cp of
+             passes dK/dV (fp32) around the ring, each rank's part of a block's
+             gradient arriving while the rank computes its own. A rank sends (cp-1)/cp of
              2 S n_kv_heads head_dim elements per layer forward. With head-tail
              chunks, step 0 is causal over the own tokens and every later step
              is a full block of c x 2c (from a lower rank: all queries, its
              first chunk; from a higher rank: the second query chunk, all of
              its keys), the same work on every rank.
   allgather  all-gather K and V (cheap with grouped-query attention: n_kv_heads),
-             then each local chunk attends its causal prefix (Llama 3's choice).
+             then each local chunk attends its causal prefix (Llama 3's choice),
+             blockwise: the keys before the chunk in full, its own causally.
   a2a        Ulysses: all-to-all from sequence-sharded to head-sharded q, k, v,
              causal attention over the whole sequence, all-to-all back; cp must
              divide the KV heads.
 
 Block attention returns its log-sum-exp: on CUDA in bf16/fp16 through SDPA's
-flash kernels, elsewhere a math path in fp32 (fp64 for fp64 inputs), so every
-variant runs, and is tested exactly, on the CPU.
+cuDNN or flash kernels (grouped-query K/V as they are), elsewhere a math path in
+fp32 (fp64 for fp64 inputs), so every variant runs, and is tested exactly, on
+the CPU; benchmarks/bench_cp.py checks the GPU kernels against float32.
 """
 from __future__ import annotations
 
@@ -67,8 +70,8 @@ def natural_order(cp: int) -> list[int]:
 # ---- block attention with its log-sum-exp ------------------------------------------
 
 def _kernel(q: torch.Tensor, k: torch.Tensor, causal: bool) -> str | None:
-    """The fused kernel of a block: cuDNN's where SDPA would take it (on Hopper it
-    runs 1.5-1.9x flash's speed), flash's otherwise; both take grouped-query K/V
+    """The fused kernel of a block: cuDNN's where SDPA would take it (the faster on
+    Hopper: benchmarks/RESULTS.md), flash's otherwise; both take grouped-query K/V
     as they are. None off the GPU and in fp32/fp64: the math path."""
     if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):
         return None
