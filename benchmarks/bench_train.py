@@ -60,6 +60,10 @@ LAYOUTS = {  # name: (GPUs, recipe flags); bf16 compute, fp32 master weights and
     "pp4": (4, ["--pp", "4", "--microbatches", "8"]),
     "dp2pp2": (4, ["--dp", "2", "--pp", "2", "--microbatches", "8"]),
     "pp2tp2": (4, ["--pp", "2", "--tp", "2", "--sp", "--microbatches", "8"]),
+    "cp2": (2, ["--cp", "2"]),                           # context parallelism: sequences over cp
+    "cp4": (4, ["--cp", "4"]),
+    "cp4_allgather": (4, ["--cp", "4", "--cp-comm", "allgather"]),
+    "cp4_a2a": (4, ["--cp", "4", "--cp-comm", "a2a"]),
     "ep2": (2, ["--ep", "2", "--zero", "1"]),            # mixture-of-experts presets: experts over ep
     "ep4": (4, ["--ep", "4", "--zero", "1"]),
 }
