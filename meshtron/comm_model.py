@@ -33,7 +33,9 @@ Where each comes from, per micro-batch unless said:
 Recompute re-runs a block's forward collectives in its backward (selective:
 only what it does not save, the all-gathers and c10d ops). Not modelled: async
 TP's eager ring, which moves SP's all-gathers and reduce-scatters as sends over
-tp (counted here as the collectives they replace).
+tp (counted here as the collectives they replace); the zero-bubble schedules'
+last stage under FSDP, predicted as under 1F1B (torch 2.13 computes its weight
+gradients outside FSDP's accumulation, and at zero 3 they are lost).
 """
 from __future__ import annotations
 
