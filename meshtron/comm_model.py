@@ -35,7 +35,8 @@ only what it does not save, the all-gathers and c10d ops). Not modelled: async
 TP's eager ring, which moves SP's all-gathers and reduce-scatters as sends over
 tp (counted here as the collectives they replace); the zero-bubble schedules'
 last stage under FSDP, predicted as under 1F1B (torch 2.13 computes its weight
-gradients outside FSDP's accumulation, and at zero 3 they are lost).
+gradients outside FSDP's accumulation; at zero 3 it lost some, so the config
+refuses that pair).
 """
 from __future__ import annotations
 

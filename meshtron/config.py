@@ -25,7 +25,7 @@ import torch
 
 from meshtron.distributed.data_parallel import DTYPES
 from meshtron.distributed.mesh import AXES
-from meshtron.distributed.pipeline_parallel import SCHEDULES
+from meshtron.distributed.pipeline_parallel import SCHEDULES, SPLIT_BACKWARD
 from meshtron.distributed.recompute import MODES
 
 
@@ -238,7 +238,7 @@ class Config:
                               f"{t.lr})")
         if p.sp and p.tp == 1:
             raise ConfigError("--sp (sequence parallelism) shards the sequence over tp ranks: it needs --tp > 1")
-        if p.compile and p.pp > 1 and p.pp_schedule in ("zero-bubble", "zbv") and _torch_before(2, 13):
+        if p.compile and p.pp > 1 and p.pp_schedule in SPLIT_BACKWARD and _torch_before(2, 13):
             raise ConfigError(f"--pp-schedule {p.pp_schedule} with --compile needs torch 2.13 or later: the split "
                               f"backward of torch {torch.__version__} fails inside compiled blocks; use "
                               "interleaved-1f1b or leave out --compile")
@@ -249,9 +249,13 @@ class Config:
             raise ConfigError("--resume auto looks for checkpoints in --checkpoint-dir: give one")
         from meshtron.distributed.mesh import resolve_degrees
         try:
-            resolve_degrees(world_size, **p.degrees())
+            d = resolve_degrees(world_size, **p.degrees())
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if d["pp"] > 1 and p.pp_schedule in SPLIT_BACKWARD and p.zero == 3 and d["dp"] * d["cp"] * d["ep"] > 1:
+            raise ConfigError(f"--pp-schedule {p.pp_schedule} computes weight gradients outside FSDP's backward, "
+                              "and with --zero 3 (parameters resharded after each forward) some of them are lost: "
+                              "use --zero 2 (the same sharded gradients and optimizer state) or another schedule")
 
 
 # ---- the command line, generated from the dataclasses ---------------------------

@@ -47,6 +47,10 @@ SCHEDULES = {
     "zbv": ScheduleZBVZeroBubble,
 }
 MULTI_STAGE = {"interleaved-1f1b", "zero-bubble", "zbv"}
+# weight gradients computed apart from input gradients (the W steps), outside FSDP's
+# backward hooks: with ZeRO 3 (parameters resharded after each forward) torch 2.13
+# loses some stages' weight gradients, so the config refuses the pair
+SPLIT_BACKWARD = {"zero-bubble", "zbv"}
 
 
 def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> float:

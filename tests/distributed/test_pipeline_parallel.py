@@ -45,6 +45,11 @@ CASES = [  # (mesh, schedule, virtual stages, micro-batches, parallel config)
     (dict(dp=1, pp=2, tp=2), "1f1b", 1, 4, dict(sp=True)),
     (dict(dp=2, pp=2), "1f1b", 1, 2, dict(zero=1)),
     (dict(dp=2, pp=2), "interleaved-1f1b", 2, 2, dict(zero=3)),
+    # the split-backward schedules with FSDP: ZeRO 3 is refused (config), the rest train right
+    (dict(dp=2, pp=2), "zbv", 2, 2, dict(zero=2)),
+    (dict(dp=2, pp=2), "zero-bubble", 2, 2, dict(zero=2)),
+    (dict(dp=2, pp=2), "zbv", 2, 2, dict(zero=1)),
+    (dict(dp=2, pp=2), "zbv", 2, 2, dict(zero=0)),
 ]
 
 
