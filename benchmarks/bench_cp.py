@@ -175,7 +175,7 @@ def run_distributed(args, device, dtype, out_rows):
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_mesh(cp=world, device_type=device.type)
     group = mesh["cp"].get_group()
-    attend = {"p2p": lambda q, k, v: cpm._RingAttention.apply(q, k, v, group),
+    attend = {"p2p": lambda q, k, v: cpm.ring_attention(q, k, v, group),
               "allgather": lambda q, k, v: cpm.allgather_attention(q, k, v, group),
               "a2a": lambda q, k, v: cpm.a2a_attention(q, k, v, group)}
     for seq in args.seq:

@@ -214,21 +214,47 @@ class _Ring:
                 w.wait()
             tensors = nxt
 
+    def grads(self, k, v, acc):
+        return _RingGrads(self, k, v, acc)
 
-class _GradRing:
+
+class _Whole:
+    """Every block is the whole K/V at hand (the all-gather variant): nothing moves."""
+
+    def blocks(self, tensors: list[torch.Tensor]):
+        return itertools.repeat(tensors)
+
+    def grads(self, k, v, acc):
+        return _Grads(k, v, acc)
+
+
+class _Grads:
+    """dK/dV of the K/V at hand, summed over the blocks that use them."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, acc: torch.dtype):
+        self.dkv = [torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)]
+
+    def add(self, owner: int, keys: slice, g_k: torch.Tensor, g_v: torch.Tensor) -> None:
+        self.dkv[0][:, :, keys] += g_k
+        self.dkv[1][:, :, keys] += g_v
+
+    def result(self) -> list[torch.Tensor]:
+        return self.dkv
+
+
+class _RingGrads(_Grads):
     """dK/dV follow their block round the ring, each rank adding its part, and are
     back at the owner after cp steps; the sum so far arrives from the previous
     rank while this rank computes its own part."""
 
     def __init__(self, ring: _Ring, k: torch.Tensor, v: torch.Tensor, acc: torch.dtype):
+        super().__init__(k, v, acc)
         self.ring, self.works = ring, []
-        self.dkv = [torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)]
 
     def add(self, owner: int, keys: slice, g_k: torch.Tensor, g_v: torch.Tensor) -> None:
         for w in self.works:
             w.wait()
-        self.dkv[0][:, :, keys] += g_k
-        self.dkv[1][:, :, keys] += g_v
+        super().add(owner, keys, g_k, g_v)
         self.dkv, self.works = self.ring.rotate(self.dkv)
 
     def result(self) -> list[torch.Tensor]:
@@ -237,26 +263,31 @@ class _GradRing:
         return self.dkv
 
 
-class _RingAttention(torch.autograd.Function):
+class _BlockwiseAttention(torch.autograd.Function):
+    """q's attention over the K/V blocks `source` brings (the ring, or the whole K/V
+    at hand), one per step of `steps`."""
+
     @staticmethod
-    def forward(ctx, q, k, v, group):
-        ring = _Ring(group)
+    def forward(ctx, q, k, v, steps, source):
         # (B, heads, T, hd) views of the projections: sent whole
-        steps = ring_steps(ring.rank, ring.cp, q.shape[2] // 2)
-        out, lse = blockwise_forward(q, steps, ring.blocks([k.contiguous(), v.contiguous()]))
+        out, lse = blockwise_forward(q, steps, source.blocks([k.contiguous(), v.contiguous()]))
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group = group
+        ctx.steps, ctx.source = steps, source
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        ring = _Ring(ctx.group)
-        grads = _GradRing(ring, k, v, _acc(q))
-        steps = ring_steps(ring.rank, ring.cp, q.shape[2] // 2)
-        dq = blockwise_backward(dout, q, out, lse, steps, ring.blocks([k.contiguous(), v.contiguous()]), grads.add)
+        grads = ctx.source.grads(k, v, _acc(q))
+        dq = blockwise_backward(dout, q, out, lse, ctx.steps, ctx.source.blocks([k.contiguous(), v.contiguous()]),
+                                grads.add)
         dk, dv = grads.result()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def ring_attention(q, k, v, group):
+    ring = _Ring(group)
+    return _BlockwiseAttention.apply(q, k, v, ring_steps(ring.rank, ring.cp, q.shape[2] // 2), ring)
 
 
 # ---- all-gather and all-to-all --------------------------------------------------------
@@ -285,29 +316,6 @@ def prefix_steps(rank: int, cp: int, c: int) -> list[tuple[int, slice, slice, bo
     return steps
 
 
-class _PrefixAttention(torch.autograd.Function):
-    """The local queries over the whole K/V (sequence order), blockwise; dK/dV of the
-    whole go back through the all-gather's backward."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, steps):
-        out, lse = blockwise_forward(q, steps, itertools.repeat((k, v)))
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.steps = steps
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dk, dv = (torch.zeros(t.shape, dtype=_acc(q), device=t.device) for t in (k, v))
-
-        def add_dkv(_, keys, g_k, g_v):
-            dk[:, :, keys] += g_k
-            dv[:, :, keys] += g_v
-        dq = blockwise_backward(dout, q, out, lse, ctx.steps, itertools.repeat((k, v)), add_dkv)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
-
-
 def allgather_attention(q, k, v, group):
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     c = q.shape[2] // 2
@@ -317,7 +325,8 @@ def allgather_attention(q, k, v, group):
         t = all_gather_tensor_autograd(t.contiguous(), gather_dim=2, group=group)
         return t.unflatten(2, (2 * cp, c))[:, :, order].flatten(2, 3)
 
-    return _PrefixAttention.apply(q, whole(k), whole(v), prefix_steps(rank, cp, c))
+    # dK/dV of the whole go back through the all-gather's backward
+    return _BlockwiseAttention.apply(q, whole(k), whole(v), prefix_steps(rank, cp, c), _Whole())
 
 
 def a2a_attention(q, k, v, group):
@@ -354,7 +363,7 @@ def apply_cp(mesh: DeviceMesh, variant: str, cores: list[nn.Module], attentions:
         raise ValueError(f"--cp-comm must be one of {VARIANTS}, not {variant!r}")
     group = mesh["cp"].get_group()
     cp, rank = mesh["cp"].size(), mesh["cp"].get_local_rank()
-    attend = {"p2p": lambda q, k, v: _RingAttention.apply(q, k, v, group),
+    attend = {"p2p": lambda q, k, v: ring_attention(q, k, v, group),
               "allgather": lambda q, k, v: allgather_attention(q, k, v, group),
               "a2a": lambda q, k, v: a2a_attention(q, k, v, group)}[variant]
     classes = {}

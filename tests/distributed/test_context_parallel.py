@@ -86,7 +86,7 @@ def _attention_f64(rank, world, variant, kv_heads):
     idx = cpm.local_positions(T, world, me["cp"].get_local_rank())
     qs, ks, vs = (t[:, :, idx].clone().requires_grad_() for t in (q, k, v))
     group = me["cp"].get_group()
-    out = {"p2p": lambda: cpm._RingAttention.apply(qs, ks, vs, group),
+    out = {"p2p": lambda: cpm.ring_attention(qs, ks, vs, group),
            "allgather": lambda: cpm.allgather_attention(qs, ks, vs, group),
            "a2a": lambda: cpm.a2a_attention(qs, ks, vs, group)}[variant]()
     out.backward(dout[:, :, idx])
@@ -145,7 +145,7 @@ def _ring_bytes(rank, world):
     k, v = torch.randn(1, kv_heads, S // world, d), torch.randn(1, kv_heads, S // world, d)
     cpm.dist.batch_isend_irecv = counting
     try:
-        cpm._RingAttention.apply(q, k, v, mesh(dp=1, cp=world)["cp"].get_group())
+        cpm.ring_attention(q, k, v, mesh(dp=1, cp=world)["cp"].get_group())
     finally:
         cpm.dist.batch_isend_irecv = real
     return sum(sent), (world - 1) / world * 2 * S * kv_heads * d * 4
