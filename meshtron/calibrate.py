@@ -9,8 +9,9 @@
   throughput over the GPU's dense bf16 peak (a datasheet figure: MFU is quoted
   against it); and the same at 1K to 16K tokens (the planner's curve: a small
   micro-batch fills the GPU less);
-- attention efficiency: causal SDPA (flash on GPU) forward and backward at the
-  model's heads and --seq-len, over the same peak;
+- attention efficiency: causal SDPA forward and backward at the model's heads
+  and --seq-len, over the same peak, and a curve of it over head dims 64 and
+  128 and sequences of 1K to 64K tokens;
 - HBM bandwidth: a large device-to-device copy (read + write);
 - host time: the eager forward and backward of the model cut to 1 and to 3
   layers on a few tokens (what a small micro-batch waits for in Python and
@@ -96,21 +97,31 @@ def matmul_efficiency(cfg, device: torch.device, tokens: int, peak: float, repea
     return flops / seconds / peak
 
 
-def attention_efficiency(cfg, device: torch.device, tokens: int, seq_len: int, peak: float,
+def attention_efficiency(dim: int, heads: int, device: torch.device, tokens: int, seq_len: int, peak: float,
                          repeats: int = 10) -> float:
-    """Causal SDPA forward and backward at the model's heads over `seq_len`, against
-    6*b*s^2*d FLOPs (forward 2*b*s^2*d with the causal half skipped, backward twice
-    that), as the planner counts it."""
+    """Causal SDPA forward and backward, `heads` heads of dim / heads over `seq_len`,
+    against 6*b*s^2*dim FLOPs (forward 2*b*s^2*dim with the causal half skipped,
+    backward twice that), as the planner counts it."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    b, hd = max(1, tokens // seq_len), cfg.dim // cfg.n_heads
-    q, k, v = (torch.randn(b, cfg.n_heads, seq_len, hd, device=device, dtype=dtype, requires_grad=True)
+    b = max(1, tokens // seq_len)
+    q, k, v = (torch.randn(b, heads, seq_len, dim // heads, device=device, dtype=dtype, requires_grad=True)
                for _ in range(3))
-    grad = torch.randn(b, cfg.n_heads, seq_len, hd, device=device, dtype=dtype)
+    grad = torch.randn(b, heads, seq_len, dim // heads, device=device, dtype=dtype)
 
     def step():
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         torch.autograd.grad(out, (q, k, v), grad)
-    return 6 * b * seq_len ** 2 * cfg.dim / _time(step, device, repeats) / peak
+    return 6 * b * seq_len ** 2 * dim / _time(step, device, repeats) / peak
+
+
+def attention_curve(cfg, device: torch.device, peak: float, repeats: int = 10, quick: bool = False) -> list:
+    """[head dim, sequence length, efficiency] of causal SDPA at the model's width
+    (dim / head dim heads) for head dims 64 and 128, over 1K to 64K tokens, each
+    with at least 16K tokens of batch (as a training micro-batch has)."""
+    dims, lens = ((8, 16), (64, 128)) if quick else ((64, 128), (1024, 2048, 4096, 8192, 16384, 32768, 65536))
+    batch = 128 if quick else 16384
+    return [[hd, s, attention_efficiency(cfg.dim, cfg.dim // hd, device, max(s, batch), s, peak, repeats)]
+            for hd in dims for s in lens]
 
 
 def host_seconds(spec, cfg, device: torch.device, repeats: int = 10, tokens: int = 64) -> dict[str, float]:
@@ -186,11 +197,13 @@ def calibrate(model: str, tokens: int, seq_len: int, device: torch.device, quick
     out["matmul_efficiency"] = matmul_efficiency(cfg, device, tokens, peak, repeats)
     out["matmul_curve"] = [[t, matmul_efficiency(cfg, device, t, peak, repeats)]
                            for t in ((256, 1024) if quick else (1024, 2048, 4096, 8192, 16384))]
-    out["attention_efficiency"] = attention_efficiency(cfg, device, tokens, seq_len, peak, repeats)
+    out["attention_efficiency"] = attention_efficiency(cfg.dim, cfg.n_heads, device, tokens, seq_len, peak, repeats)
+    out["attention_curve"] = attention_curve(cfg, device, peak, repeats, quick)
     out["hbm_bandwidth"] = hbm_bandwidth(device, 2 ** 20 if quick else 2 ** 30, repeats)
     host = host_seconds(spec, cfg, device, repeats)
     out |= host
-    measured = ["matmul_efficiency", "matmul_curve", "attention_efficiency", "hbm_bandwidth", *host]
+    measured = ["matmul_efficiency", "matmul_curve", "attention_efficiency", "attention_curve", "hbm_bandwidth",
+                *host]
     if device.type == "cuda":
         out["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
         measured.append("memory_bytes")

@@ -34,6 +34,9 @@ class Hardware:
     # every op through its policy's Python dispatch mode
     host_layer_full_s: float = 0.0
     host_layer_selective_s: float = 0.0
+    # (head dim, sequence length, attention efficiency): short sequences and small
+    # heads fill the GPU less; attention_efficiency stands in without one
+    attention_curve: tuple[tuple[int, int, float], ...] = ()
 
     def host_layer(self, recompute: str) -> float:
         """Eager host seconds of one layer's forward and backward under `recompute`."""
@@ -43,15 +46,30 @@ class Hardware:
     def matmul_at(self, tokens: float) -> float:
         """Matmul efficiency at `tokens` rows per GEMM: the curve interpolated in
         log2(tokens), held flat beyond its ends; matmul_efficiency without one."""
-        curve = sorted(self.matmul_curve)
-        if not curve:
-            return self.matmul_efficiency
-        x = math.log2(max(tokens, 1))
-        for (t0, e0), (t1, e1) in zip(curve, curve[1:]):
-            if x <= math.log2(t1):
-                w = min(max((x - math.log2(t0)) / (math.log2(t1) - math.log2(t0)), 0.0), 1.0)
-                return e0 + w * (e1 - e0)
-        return curve[-1][1]
+        return _interpolate(self.matmul_curve, tokens, self.matmul_efficiency)
+
+    def attention_at(self, head_dim: int, seq_len: float) -> float:
+        """Causal attention efficiency over `seq_len` tokens: the curve of the nearest
+        measured head dim (in log2), interpolated like matmul_at."""
+        dims = {hd for hd, _, _ in self.attention_curve}
+        if not dims:
+            return self.attention_efficiency
+        near = min(dims, key=lambda hd: abs(math.log2(hd) - math.log2(head_dim)))
+        return _interpolate([(s, e) for hd, s, e in self.attention_curve if hd == near], seq_len,
+                            self.attention_efficiency)
+
+
+def _interpolate(curve, x: float, default: float) -> float:
+    """A curve of (size, value) at `x`: linear in log2(size), flat beyond its ends."""
+    curve = sorted(curve)
+    if not curve:
+        return default
+    lx = math.log2(max(x, 1))
+    for (t0, e0), (t1, e1) in zip(curve, curve[1:]):
+        if lx <= math.log2(t1):
+            w = min(max((lx - math.log2(t0)) / (math.log2(t1) - math.log2(t0)), 0.0), 1.0)
+            return e0 + w * (e1 - e0)
+    return curve[-1][1]
 
 
 def _read(path: str) -> Hardware:

@@ -167,9 +167,10 @@ def compute_s(cfg, par: ParallelConfig, tokens: int, seq_len: int, hw: Hardware,
     matmuls at the calibrated matmul efficiency for GEMMs of `gemm_tokens` rows (a
     micro-batch's cp-local tokens; SP gathers the whole of them), causal attention
     (half of the 12*L*d*T that flops_per_token counts) at the calibrated attention
-    efficiency, and the memory-bound rest at the HBM bandwidth: each saved activation
-    written in forward, read in backward, its gradient written once (3x the saved
-    bytes), and AdamW's pass over this rank's fp32 state (28 bytes per parameter)."""
+    efficiency for its head dim and (cp-local) sequence, and the memory-bound rest
+    at the HBM bandwidth: each saved activation written in forward, read in
+    backward, its gradient written once (3x the saved bytes), and AdamW's pass over
+    this rank's fp32 state (28 bytes per parameter)."""
     d = par.degrees()
     shard = d["cp"] * d["tp"] * d["pp"]
     attention = 12 * cfg.n_layers * cfg.dim * seq_len * tokens / shard
@@ -179,7 +180,8 @@ def compute_s(cfg, par: ParallelConfig, tokens: int, seq_len: int, hw: Hardware,
     elementwise = 3 * 2 * tokens / d["cp"] * _layer_elements(cfg, d["tp"], par.sp) * layers
     optimizer = 28 * cfg.num_params() / math.prod(d.values())
     efficiency = hw.matmul_at(tokens / d["cp"] if gemm_tokens is None else gemm_tokens)
-    return (matmul / (hw.peak_flops * efficiency) + attention / 2 / (hw.peak_flops * hw.attention_efficiency)
+    attention_eff = hw.attention_at(cfg.dim // cfg.n_heads, seq_len / d["cp"])   # cp: blocks of S/cp keys
+    return (matmul / (hw.peak_flops * efficiency) + attention / 2 / (hw.peak_flops * attention_eff)
             + (elementwise + optimizer) / hw.hbm_bandwidth)
 
 
@@ -213,7 +215,7 @@ def predict(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: int,
     cp_comm = 0.0
     if d["cp"] > 1:   # the ring's transfers run behind the attention of the block before
         attention = 3 * 4 * micro_batch * seq_len ** 2 / d["cp"] * cfg.dim / d["tp"] / (
-            hw.peak_flops * hw.attention_efficiency)
+            hw.peak_flops * hw.attention_at(cfg.dim // cfg.n_heads, seq_len / d["cp"]))
         cp_comm = max(0.0, cp_ring - attention * layers * microbatches)
     busy = compute + tp_comm + ep_comm + cp_comm
     bubble = bubble_fraction(par.pp_schedule, d["pp"], microbatches, par.pp_virtual) if d["pp"] > 1 else 0.0

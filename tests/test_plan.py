@@ -236,9 +236,12 @@ def test_calibrate_writes_a_file_the_planner_reads(tmp_path):
     data = json.loads(out.read_text())
     assert 0 < hw.matmul_efficiency and 0 < hw.attention_efficiency and hw.hbm_bandwidth > 0
     # no link on one CPU
-    assert data["measured"] == ["matmul_efficiency", "matmul_curve", "attention_efficiency", "hbm_bandwidth",
+    assert data["measured"] == ["matmul_efficiency", "matmul_curve", "attention_efficiency", "attention_curve",
+                                "hbm_bandwidth",
                                 "host_microbatch_s", "host_layer_s", "host_layer_full_s", "host_layer_selective_s"]
     assert [t for t, _ in hw.matmul_curve] == [256, 1024] and hw.matmul_at(512) > 0
+    assert [(hd, s) for hd, s, _ in hw.attention_curve] == [(8, 64), (8, 128), (16, 64), (16, 128)]
+    assert all(e > 0 for *_, e in hw.attention_curve)
     fit, _ = plan.plan("tiny", seq_len=64, global_batch=8, gpus=2, gpu=str(out))
     assert fit
 
@@ -249,6 +252,15 @@ def test_the_matmul_curve_interpolates_in_log_tokens_and_holds_flat_beyond_its_e
     assert hw.matmul_at(2048) == pytest.approx(0.6)     # halfway in log2
     assert hw.matmul_at(64) == 0.5 and hw.matmul_at(1 << 20) == 0.7
     assert dataclasses.replace(hw, matmul_curve=()).matmul_at(2048) == hw.matmul_efficiency
+
+
+def test_attention_efficiency_follows_the_nearest_head_dims_curve_over_the_sequence():
+    hw = dataclasses.replace(plan.GPUS["h200"], attention_curve=((64, 1024, 0.2), (64, 4096, 0.4),
+                                                                 (128, 1024, 0.3), (128, 4096, 0.5)))
+    assert hw.attention_at(64, 2048) == pytest.approx(0.3) and hw.attention_at(128, 2048) == pytest.approx(0.4)
+    assert hw.attention_at(80, 1024) == 0.2 and hw.attention_at(100, 1024) == 0.3   # nearest in log2
+    assert hw.attention_at(128, 1 << 20) == 0.5 and hw.attention_at(64, 16) == 0.2   # flat beyond the ends
+    assert dataclasses.replace(hw, attention_curve=()).attention_at(64, 2048) == hw.attention_efficiency
 
 
 def test_eager_host_time_follows_the_recompute_mode_and_compiling_removes_it():
