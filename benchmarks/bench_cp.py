@@ -199,11 +199,14 @@ def run_distributed(args, device, dtype, out_rows):
             if "ideal_ms" in row:
                 row[f"{variant}_of_ideal"] = row["ideal_ms"] / row[f"{variant}_ms"]
         if device.type == "cuda" and not args.no_peer:
-            try:
-                row["torch_cp_ms"] = timed_ms(torch_peer(q, k, v, dout, mesh["cp"]), device, args.reps)
-                row["p2p_vs_torch_cp"] = row["torch_cp_ms"] / row["p2p_ms"]
-            except Exception as e:  # noqa: BLE001 - the peer's failure is a result too
-                row["torch_cp_error"] = f"{type(e).__name__}: {e}"[:300]
+            from torch.distributed.tensor.experimental._attention import set_rotate_method
+            for method in ("allgather", "alltoall"):   # its K/V all-gathered, or passed round (its ring)
+                try:
+                    set_rotate_method(method)
+                    row[f"torch_cp_{method}_ms"] = timed_ms(torch_peer(q, k, v, dout, mesh["cp"]), device, args.reps)
+                    row[f"p2p_vs_torch_cp_{method}"] = row[f"torch_cp_{method}_ms"] / row["p2p_ms"]
+                except Exception as e:  # noqa: BLE001 - the peer's failure is a result too
+                    row[f"torch_cp_{method}_error"] = f"{type(e).__name__}: {e}"[:300]
         if rank == 0:
             out_rows.append(row)
             print(json.dumps(row), flush=True)
