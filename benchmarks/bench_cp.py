@@ -22,8 +22,9 @@ sent: the time per rank is what the variant computes without its transfers,
 an upper bound on its efficiency; its outputs and gradients are checked
 against a float32 reference beside the one-GPU bf16 kernel's.
 
-Times are medians over --reps of forward + backward between CUDA events, after
-warm-up; every rank's time is the slowest rank's (an all-reduce of the max).
+Times are medians over --reps of forward + backward, each between two device
+synchronizations (and a barrier), after warm-up; every rank's time is the
+slowest rank's (an all-reduce of the max).
 """
 from __future__ import annotations
 
@@ -153,21 +154,21 @@ def run_simulated(args, device, dtype, out_rows):
             print(json.dumps(row), flush=True)
 
 
-def torch_peer(q, k, v, dout, mesh):
-    """torch.distributed.tensor.experimental.context_parallel: the same load-balanced
-    causal ring on the cp mesh, SDPA inside its context (K/V at the query heads:
-    its ring handlers take the flash / efficient ops, which take equal heads)."""
+def torch_peer_ms(q, k, v, dout, mesh, device, reps: int) -> float:
+    """torch.distributed.tensor.experimental.context_parallel on the same shapes: its
+    load-balanced causal attention on the cp mesh, SDPA inside its context. The
+    buffers are sharded once, outside the timed steps (as meshtron's inputs are);
+    K/V at the query heads (its ring handlers take the kernels' equal-head form)."""
     from torch.distributed.tensor.experimental import context_parallel
     heads = q.shape[1]
-    q, k, v, dout = (t.detach().clone() for t in (q, cpm._expand(k, heads), cpm._expand(v, heads), dout))
+    buffers = [t.detach().clone() for t in (q, cpm._expand(k, heads), cpm._expand(v, heads), dout)]
+    with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2, 2], no_restore_buffers=set(buffers)):
+        lq, lk, lv, ld = buffers   # this rank's shards now
 
-    def step():
-        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
-        dd = dout.clone()
-        with context_parallel(mesh, buffers=[qq, kk, vv, dd], buffer_seq_dims=[2, 2, 2, 2]):
-            out = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
-            out.backward(dd)
-    return step
+        def step():
+            a, b, c = (t.detach().requires_grad_() for t in (lq, lk, lv))
+            F.scaled_dot_product_attention(a, b, c, is_causal=True).backward(ld)
+        return timed_ms(step, device, reps)
 
 
 def run_distributed(args, device, dtype, out_rows):
@@ -203,7 +204,7 @@ def run_distributed(args, device, dtype, out_rows):
             for method in ("allgather", "alltoall"):   # its K/V all-gathered, or passed round (its ring)
                 try:
                     set_rotate_method(method)
-                    row[f"torch_cp_{method}_ms"] = timed_ms(torch_peer(q, k, v, dout, mesh["cp"]), device, args.reps)
+                    row[f"torch_cp_{method}_ms"] = torch_peer_ms(q, k, v, dout, mesh["cp"], device, args.reps)
                     row[f"p2p_vs_torch_cp_{method}"] = row[f"torch_cp_{method}_ms"] / row["p2p_ms"]
                 except Exception as e:  # noqa: BLE001 - the peer's failure is a result too
                     row[f"torch_cp_{method}_error"] = f"{type(e).__name__}: {e}"[:300]

@@ -78,10 +78,13 @@ def experts_row(d, h, experts, per_expert, dtype, device):
     counts = torch.full((experts,), per_expert, device=device)
     flops = 3 * 6 * experts * per_expert * d * h          # three projections, forward and backward
 
-    def dense():
+    def dense():   # autograd.grad: nothing accumulates into .grad (the grouped weights are E times larger)
         gate, up = (x @ w1).chunk(2, dim=-1)
-        ((torch.nn.functional.silu(gate) * up) @ w2).backward(dy)
-    return flops, timings(lambda: grouped(x, counts).backward(dy)), timings(dense)
+        torch.autograd.grad((torch.nn.functional.silu(gate) * up) @ w2, (x, w1, w2), dy)
+
+    def experts():
+        torch.autograd.grad(grouped(x, counts), (x, *grouped.parameters()), dy)
+    return flops, timings(experts), timings(dense)
 
 
 def layer_row(d, h, n_experts, top_k, tokens, dtype, device):
@@ -93,12 +96,14 @@ def layer_row(d, h, n_experts, top_k, tokens, dtype, device):
     dense = dense.to(device, dtype)
     x = torch.randn(1, tokens, d, dtype=dtype, device=device, requires_grad=True)
 
-    def moe_step():
-        moe(x).sum().backward()
+    dy = torch.randn_like(x)
+
+    def moe_step():   # autograd.grad: no accumulation into the (E times larger) .grad
+        torch.autograd.grad(moe(x), (x, *moe.parameters()), dy)
 
     def dense_step():
         y = dense["w2"](torch.nn.functional.silu(dense["w1"](x)) * dense["w3"](x))
-        y.sum().backward()
+        torch.autograd.grad(y, (x, *dense.parameters()), dy)
     return 3 * 6 * top_k * d * h * tokens, timings(moe_step), timings(dense_step)
 
 

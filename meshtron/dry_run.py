@@ -59,7 +59,8 @@ def dry_run_rank(config, world: int, rank: int) -> tuple[dict[str, int], dict[tu
     step (its gradients, their norm and the MoE statistics: meshtron.step), counted
     while the step runs on fake tensors: shapes flow, nothing is computed or sent
     (FSDP's lazy initialization communicates nothing, and the pipeline's stages
-    are given their shapes, so the first step is every step). MoE all-to-alls
+    are given their shapes; a pipelined step is counted after one uncounted step,
+    as the real one is). MoE all-to-alls
     assume the tokens spread evenly over the experts."""
     return _forked(_dry_run_rank, config, world, rank)
 
@@ -83,6 +84,8 @@ def _dry_run_rank(config, world: int, rank: int):
                 _answer_the_vote(pipeline.schedule)
             tokens = torch.zeros(global_batch // (degrees["dp"] * degrees["ep"]), config.training.seq_len,
                                  dtype=torch.long)
+            if pipeline is not None:   # torch 2.11's first step also warms each pipeline link (4 bytes)
+                gradients(parts, tokens, tokens, mesh, pipeline, config, microbatches, loss_fn)
             with CollectiveCounter(mesh) as count:
                 gradients(parts, tokens, tokens, mesh, pipeline, config, microbatches, loss_fn)
                 if getattr(mc, "moe", None) is not None:

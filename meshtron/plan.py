@@ -212,9 +212,9 @@ def predict(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: int,
                 for rank in _pp_ranks(d)), key=sum)
     tp_comm, ep_comm, cp_ring, pp_comm, fsdp = comm
     fsdp_exposed = max(0.0, fsdp - compute) + fsdp / max(1, layers)
-    cp_comm = 0.0
-    if d["cp"] > 1:   # the ring's transfers run behind the attention of the block before
-        attention = 3 * 4 * micro_batch * seq_len ** 2 / d["cp"] * cfg.dim / d["tp"] / (
+    cp_comm = cp_ring   # the all-gather and all-to-all variants wait for their collectives
+    if d["cp"] > 1 and par.cp_comm == "p2p":   # the ring's transfers run behind the attention of the block before
+        attention = 6 * micro_batch * seq_len ** 2 / d["cp"] * cfg.dim / d["tp"] / (   # causal, as compute_s
             hw.peak_flops * hw.attention_at(cfg.dim // cfg.n_heads, seq_len / d["cp"]))
         cp_comm = max(0.0, cp_ring - attention * layers * microbatches)
     busy = compute + tp_comm + ep_comm + cp_comm

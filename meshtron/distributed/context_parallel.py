@@ -72,16 +72,20 @@ def natural_order(cp: int) -> list[int]:
 def _kernel(q: torch.Tensor, k: torch.Tensor, causal: bool) -> str | None:
     """The fused kernel of a block: cuDNN's where SDPA would take it (the faster on
     Hopper: benchmarks/RESULTS.md), flash's otherwise; both take grouped-query K/V
-    as they are. None off the GPU and in fp32/fp64: the math path."""
+    as they are. None (the math path) off the GPU, in fp32/fp64, and for shapes
+    neither kernel takes."""
     if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):
         return None
     params = torch.backends.cuda.SDPAParams(q, k, k, None, 0.0, causal, k.shape[1] != q.shape[1])
-    return "cudnn" if torch.backends.cuda.can_use_cudnn_attention(params) else "flash"
+    if torch.backends.cuda.can_use_cudnn_attention(params):
+        return "cudnn"
+    return "flash" if torch.backends.cuda.can_use_flash_attention(params) else None
 
 
 def _acc(q: torch.Tensor) -> torch.dtype:
-    """The math path's accumulator: fp64 on the CPU (its speed does not matter there,
-    and the merged blocks then err less than one fused kernel does), fp32 on GPUs."""
+    """The accumulator of the math path and of the merged blocks: fp64 on the CPU
+    (its speed does not matter there, and the tests then hold every variant to one
+    process' float64 result), fp32 on GPUs."""
     return torch.float32 if q.is_cuda and q.dtype != torch.float64 else torch.float64
 
 
@@ -90,8 +94,9 @@ def _expand(k: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def block_forward(q, k, v, causal: bool):
-    """(out in q's dtype, lse fp32 (B, H, Tq)) of q over one K/V block; `causal`
-    means q and k are the same tokens."""
+    """(out, lse (B, H, Tq)) of q over one K/V block; `causal` means q and k are
+    the same tokens. The fused kernels give out in q's dtype and lse in fp32, the
+    math path both in `_acc`."""
     kernel = _kernel(q, k, causal)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if kernel == "cudnn":   # its lse is (B, H, Tq, 1)
@@ -168,9 +173,8 @@ def ring_steps(rank: int, cp: int, c: int) -> list[tuple[int, slice, slice, bool
 def blockwise_forward(q, steps, blocks):
     """q's attention over K/V blocks, one per step (owner, q rows, key rows,
     causal), merged by their log-sum-exp: (out in q's dtype, lse fp32)."""
-    acc = torch.promote_types(q.dtype, torch.float32)
-    out = torch.zeros(q.shape, dtype=acc, device=q.device)
-    lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+    out = torch.zeros(q.shape, dtype=_acc(q), device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=_acc(q), device=q.device)
     for (_, rows, keys, causal), (k, v) in zip(steps, blocks):
         o, o_lse = block_forward(q[:, :, rows], k[:, :, keys], v[:, :, keys], causal)
         merge_(out[:, :, rows], lse[:, :, rows], o, o_lse)

@@ -60,7 +60,7 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual: int = 1)
         return (p - 1) / (m + p - 1)
     if schedule == "interleaved-1f1b":
         return (p - 1) / (v * m + p - 1)
-    if schedule in ("zero-bubble", "zbv"):
+    if schedule in SPLIT_BACKWARD:
         return (p - 1) / (3 * v * m + p - 1)
     raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {sorted(SCHEDULES)}")
 
@@ -257,7 +257,7 @@ class Pipeline:
                 _keep_buffers_through_shape_inference(stage)
             stages.append(stage)
         cls = SCHEDULES[self.schedule_name]
-        if self.schedule_name in ("zero-bubble", "zbv"):
+        if self.schedule_name in SPLIT_BACKWARD:
             # these run each micro-batch's backward in two passes (input, then weight
             # gradients) over a retained graph; a compiled block must keep its saved
             # buffers for the second (functorch's switch is process-wide)

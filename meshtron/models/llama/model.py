@@ -82,7 +82,7 @@ PRESETS = {
     "llama-8B": LlamaConfig(n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336,      # Llama 3.1 8B
                             rope_scaling=LLAMA3_SCALING, tie_embeddings=False),
     # the long-context (cp) model, the torchtitan kit's tt3_8l: 8 x 2048, 16 heads of 128 (no GQA),
-    # SwiGLU 5632, untied; 617M parameters. One H200 holds ~175K tokens of it, so cp=4 may go to 512K
+    # SwiGLU 5632, untied; 617M parameters; 512K positions, for sequences that need cp
     "llama-617M": LlamaConfig(n_layers=8, dim=2048, n_heads=16, n_kv_heads=16, ffn_dim=5632, vocab_size=50304,
                               tie_embeddings=False, max_seq_len=524288),
     # CI-sized mixture of experts: 8 SwiGLU experts of width 64, top-2
