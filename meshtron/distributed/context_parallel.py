@@ -172,7 +172,7 @@ def ring_steps(rank: int, cp: int, c: int) -> list[tuple[int, slice, slice, bool
 
 def blockwise_forward(q, steps, blocks):
     """q's attention over K/V blocks, one per step (owner, q rows, key rows,
-    causal), merged by their log-sum-exp: (out in q's dtype, lse fp32)."""
+    causal), merged by their log-sum-exp: (out in q's dtype, lse in `_acc`)."""
     out = torch.zeros(q.shape, dtype=_acc(q), device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=_acc(q), device=q.device)
     for (_, rows, keys, causal), (k, v) in zip(steps, blocks):
