@@ -238,8 +238,7 @@ def step_collectives(spec, cfg, par, micro_batch: int, microbatches: int, seq_le
     heads, kv_heads = cfg.n_heads // tp, getattr(cfg, "n_kv_heads", cfg.n_heads) // tp
     kv = mb * kv_heads * (seq_len // cp) * hd
     acc = 8 if device == "cpu" or a == 8 else 4        # context_parallel._acc
-    refwd = {"none": 0, "full": 1, "selective": 1}[par.recompute]
-    gathers_again = 1 if par.recompute == "full" or par.recompute == "selective" else 0
+    refwd = {"none": 0, "full": 1, "selective": 1}[par.recompute]   # forwards run again in backward
     # selective saves all-reduces and reduce-scatters; full recomputes the attention's, not
     # the block's last (torch's checkpoint stops once backward has what it needs)
     reductions_again = 1 if par.recompute == "full" else 0
@@ -248,10 +247,10 @@ def step_collectives(spec, cfg, par, micro_batch: int, microbatches: int, seq_le
         matmuls = 1 if is_moe else 2       # an MoE block's MLP runs whole on each tp rank
         m = microbatches * blocks
         if sp:
-            add("all_gather", "tp", act_shard, m * (2 * matmuls + gathers_again * matmuls), part="tp")
+            add("all_gather", "tp", act_shard, m * (2 * matmuls + refwd * matmuls), part="tp")
             add("reduce_scatter", "tp", act, m * (2 * matmuls + reductions_again), part="tp")
             if is_moe:   # its input gathered, its output split; the split's backward gathers
-                add("all_gather", "tp", act_shard, m * (2 + gathers_again), part="tp")
+                add("all_gather", "tp", act_shard, m * (2 + refwd), part="tp")
         else:
             add("all_reduce", "tp", act, m * (2 * matmuls + reductions_again), part="tp")
 

@@ -60,8 +60,8 @@ def dry_run_rank(config, world: int, rank: int) -> tuple[dict[str, int], dict[tu
     while the step runs on fake tensors: shapes flow, nothing is computed or sent
     (FSDP's lazy initialization communicates nothing, and the pipeline's stages
     are given their shapes; a pipelined step is counted after one uncounted step,
-    as the real one is). MoE all-to-alls
-    assume the tokens spread evenly over the experts."""
+    as the real one is). MoE all-to-alls assume the tokens spread evenly over the
+    experts."""
     return _forked(_dry_run_rank, config, world, rank)
 
 
@@ -79,12 +79,11 @@ def _dry_run_rank(config, world: int, rank: int):
             for m in parts:
                 materialize(m, "cpu")
             loss_fn = layout_loss(mesh, config.parallel, torch.device("cpu"))
-            if pipeline is not None:
-                pipeline.build_schedule(loss_fn, pipeline_io(mc, config, mesh))
-                _answer_the_vote(pipeline.schedule)
             tokens = torch.zeros(global_batch // (degrees["dp"] * degrees["ep"]), config.training.seq_len,
                                  dtype=torch.long)
             if pipeline is not None:   # torch 2.11's first step also warms each pipeline link (4 bytes)
+                pipeline.build_schedule(loss_fn, pipeline_io(mc, config, mesh))
+                _answer_the_vote(pipeline.schedule)
                 gradients(parts, tokens, tokens, mesh, pipeline, config, microbatches, loss_fn)
             with CollectiveCounter(mesh) as count:
                 gradients(parts, tokens, tokens, mesh, pipeline, config, microbatches, loss_fn)

@@ -26,8 +26,8 @@ its queries over the whole sequence, one of three ways (`--cp-comm`):
              divide the KV heads.
 
 Block attention returns its log-sum-exp: on CUDA in bf16/fp16 through SDPA's
-cuDNN or flash kernels (grouped-query K/V as they are), elsewhere a math path in
-fp32 (fp64 for fp64 inputs), so every variant runs, and is tested exactly, on
+cuDNN or flash kernels (grouped-query K/V as they are), elsewhere a math path
+(fp64 on the CPU, fp32 on GPUs), so every variant runs, and is tested exactly, on
 the CPU; benchmarks/bench_cp.py checks the GPU kernels against float32.
 """
 from __future__ import annotations
@@ -93,6 +93,14 @@ def _expand(k: torch.Tensor, heads: int) -> torch.Tensor:
     return k if k.shape[1] == heads else k.repeat_interleave(heads // k.shape[1], dim=1)
 
 
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
+    """The math path's scaled scores q k^T / sqrt(d), -inf above the diagonal if causal."""
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
 def block_forward(q, k, v, causal: bool):
     """(out, lse (B, H, Tq)) of q over one K/V block; `causal` means q and k are
     the same tokens. The fused kernels give out in q's dtype and lse in fp32, the
@@ -105,12 +113,9 @@ def block_forward(q, k, v, causal: bool):
     if kernel == "flash":
         return aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]
     acc = _acc(q)
-    k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
-    s = (q.to(acc) @ k.to(acc).transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    s = _scores(q.to(acc), _expand(k, q.shape[1]).to(acc), causal)
     lse = s.logsumexp(-1)
-    return ((s - lse[..., None]).exp() @ v.to(acc)), lse
+    return ((s - lse[..., None]).exp() @ _expand(v, q.shape[1]).to(acc)), lse
 
 
 def block_backward(dout, q, k, v, out, lse, causal: bool):
@@ -130,10 +135,7 @@ def block_backward(dout, q, k, v, out, lse, causal: bool):
     acc, kv_heads = _acc(q), k.shape[1]
     scale = 1 / math.sqrt(q.shape[-1])
     qa, ka, va, da = q.to(acc), _expand(k, q.shape[1]).to(acc), _expand(v, q.shape[1]).to(acc), dout.to(acc)
-    s = (qa @ ka.transpose(-1, -2)) * scale
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    p = (s - lse.to(acc)[..., None]).exp()
+    p = (_scores(qa, ka, causal) - lse.to(acc)[..., None]).exp()
     ds = p * (da @ va.transpose(-1, -2) - (da * out.to(acc)).sum(-1, keepdim=True))
     dq, dk, dv = ds @ ka * scale, ds.transpose(-1, -2) @ qa * scale, p.transpose(-1, -2) @ da
     if kv_heads != q.shape[1]:   # the query heads of one KV head add up

@@ -246,10 +246,10 @@ class Pipeline:
         device = next(self.parts[0].parameters()).device
         group = self.mesh["pp"].get_group()
         stages = []
+        model_input, hidden, model_output = io or (None, None, None)
         for m, i in zip(self.parts, self.stage_ids):
             shapes = {}
             if io is not None:
-                model_input, hidden, model_output = io
                 shapes = {"input_args": model_input if i == 0 else hidden,
                           "output_args": model_output if i == self.n_stages - 1 else hidden}
             stage = PipelineStage(m, i, self.n_stages, device, group=group, **shapes)
