@@ -5,6 +5,7 @@ percentage error.
 
     torchrun --nproc-per-node 1 benchmarks/bench_plan.py --suite 1gpu --out $OUT
     python benchmarks/bench_plan.py --summarize $OUT/plan.jsonl [--gpu FILE]   # predicted again with FILE
+    python benchmarks/bench_plan.py --planner-speed    # CPU: seconds to rank every layout of 64 GPUs
 
 A suite is a list of recipe flag sets for one world size; each is timed by
 bench_train.measure exactly as bench_train times a layout (bf16, eager unless
@@ -19,6 +20,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -92,6 +94,18 @@ def summarize(path: str, gpu: str | None = None) -> None:
               f"peak memory {statistics.fmean(abs(r['mem_error']) for r in ok):.1%} over {len(ok)} layouts")
 
 
+def planner_speed(repeats: int = 5) -> None:
+    """The planner's own speed (CPU): ranking every layout of llama-8B on 64 GPUs, the
+    median of `repeats` runs of this process' CPU time (other jobs do not count)."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.process_time()
+        fit, _ = plan.plan("llama-8B", seq_len=8192, global_batch=64, gpus=64, gpus_per_node=8)
+        times.append(time.process_time() - t0)
+    print(f"plan llama-8B on 64 GPUs: {len(fit)} layouts ranked, median {statistics.median(times):.2f} s CPU "
+          f"(min {min(times):.2f}, max {max(times):.2f}, {repeats} runs)")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suite", default="1gpu", choices=tuple(SUITES))
@@ -101,7 +115,11 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=".")
     p.add_argument("--summarize", default=None)
+    p.add_argument("--planner-speed", action="store_true", help="time the planner itself on the CPU and exit")
     args = p.parse_args()
+    if args.planner_speed:
+        planner_speed()
+        return
     if args.summarize:
         summarize(args.summarize, args.gpu)
         return

@@ -46,18 +46,43 @@ class ParityReport:
     names: set = field(default_factory=set)     # parameters this rank checked
     ref_names: set = field(default_factory=set)
     losses: list = field(default_factory=list)  # (reference, parallel) per step
+    noise: ParityReport | None = None           # run_parity(noise=True): one fp32 process against the same float64
 
     @property
     def worst(self) -> float:
         return max(self.loss, self.grad, self.param, self.grad_norm, self.aux, self.buffer)
 
+    def grads(self, named, ref_grads: dict, canonical: dict, floor: float) -> None:
+        for n, p in named:
+            n = canonical[clean_name(n)]
+            self.names.add(n)
+            e = rel_err(full(p.grad), ref_grads[n], floor) if p.grad is not None else float("inf")
+            if e > self.grad:
+                self.grad, self.worst_grad_name = e, n
+
+    def params(self, named, ref_params: dict, canonical: dict) -> None:
+        self.ref_names = set(ref_params)
+        for n, p in named:
+            e = rel_err(full(p), ref_params[canonical[clean_name(n)]].detach().float())
+            if e > self.param:
+                self.param, self.worst_param_name = e, canonical[clean_name(n)]
+
+
+# run_parity(noise=True): the layout may err by this many times what fp32 rounding alone
+# gives one process on the same steps (both measured against float64)
+NOISE_MARGIN = 10
+
 
 def run_parity(mesh, build_model, parallelize, batches, *, micro_batches: int = 1, lr: float = 1e-3,
-               max_norm: float | None = None, fb_kwargs=None, ref_fb_kwargs=None) -> ParityReport:
+               max_norm: float | None = None, fb_kwargs=None, ref_fb_kwargs=None, noise: bool = False) -> ParityReport:
     """batches: list of global (x, y) batches, one per optimizer step.
     parallelize(model, mesh) -> the model under the layout, or a Pipeline of its
     stages. Both sides run the trainer's forward_backward, clipping and AdamW;
-    the reference is the plain model on the whole batch, in this process."""
+    the reference is the plain model on the whole batch, in this process.
+
+    noise=True: the reference runs in float64, and one more plain fp32 process runs
+    beside it; its errors against float64 (report.noise) are what fp32 rounding alone
+    costs on these steps, and assert_parity allows the layout NOISE_MARGIN times that."""
     report = ParityReport()
 
     # AdamW's step is lr * g / (|g| + eps) per entry (first step): for entries with
@@ -68,8 +93,12 @@ def run_parity(mesh, build_model, parallelize, batches, *, micro_batches: int = 
     # runs differ by ~1e-4 in updated weights. eps=1e-4 (under the grads that
     # matter here, ~1e-3) keeps AdamW's state and update rule but weighs each
     # entry's step by its size, so weight errors track gradient errors.
-    ref = build_model()
+    ref = build_model().double() if noise else build_model()
     ref_opt = build_optimizer(ref, lr, eps=1e-4)
+    solo = build_model() if noise else None
+    solo_opt = build_optimizer(solo, lr, eps=1e-4) if noise else None
+    if noise:
+        report.noise = ParityReport()
     par = parallelize(build_model(), mesh)
     pipeline = par if isinstance(par, Pipeline) else None
     parts = pipeline.parts if pipeline else [par]
@@ -95,6 +124,14 @@ def run_parity(mesh, build_model, parallelize, batches, *, micro_batches: int = 
         ref_norm = clip_grad_norm_(ref.parameters(), max_norm)
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
+        if noise:
+            solo_loss = forward_backward([solo], xr, yr, None, **(ref_fb_kwargs or {}))
+            report.noise.loss = max(report.noise.loss, abs(float(solo_loss) - float(ref_loss)) / abs(float(ref_loss)))
+            report.noise.grads(solo.named_parameters(), ref_grads, canonical, floor)
+            solo_norm = clip_grad_norm_(solo.parameters(), max_norm)
+            report.noise.grad_norm = max(report.noise.grad_norm, abs(float(solo_norm - ref_norm)) / float(ref_norm))
+            solo_opt.step()
+            solo_opt.zero_grad(set_to_none=True)
 
         # parallel: this rank's slice of the batch, in micro-batches
         xs, ys = x.chunk(count)[index], y.chunk(count)[index]
@@ -102,12 +139,7 @@ def run_parity(mesh, build_model, parallelize, batches, *, micro_batches: int = 
                                 **(fb_kwargs or {}))
         report.losses.append((float(ref_loss), float(loss)))
         report.loss = max(report.loss, abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)))
-        for n, p in (np for m in parts for np in m.named_parameters()):
-            n = canonical[clean_name(n)]
-            report.names.add(n)
-            e = rel_err(full(p.grad), ref_grads[n], floor) if p.grad is not None else float("inf")
-            if e > report.grad:
-                report.grad, report.worst_grad_name = e, n
+        report.grads((np for m in parts for np in m.named_parameters()), ref_grads, canonical, floor)
         norm = clip_grad_norm_([p for m in parts for p in m.parameters()], max_norm, mesh,
                                pipeline.norm_parameters() if pipeline else None)
         report.grad_norm = max(report.grad_norm, abs(float(norm) - float(ref_norm)) / float(ref_norm))
@@ -124,25 +156,27 @@ def run_parity(mesh, build_model, parallelize, batches, *, micro_batches: int = 
         if n.endswith("expert_bias"):
             report.buffer = max(report.buffer, rel_err(b.float(), ref_buffers[clean_name(n)].float()))
     ref_params = dict(ref.named_parameters())
-    report.ref_names = set(ref_params)
-    for n, p in (np for m in parts for np in m.named_parameters()):
-        e = rel_err(full(p), ref_params[canonical[clean_name(n)]].detach().float())
-        if e > report.param:
-            report.param, report.worst_param_name = e, canonical[clean_name(n)]
+    report.params((np for m in parts for np in m.named_parameters()), ref_params, canonical)
+    if noise:
+        report.noise.params(solo.named_parameters(), ref_params, canonical)
     return report
 
 
 def assert_parity(reports: list[ParityReport], tol: float) -> ParityReport:
     """Combine the per-rank reports: every reference parameter must have been
-    checked on some rank, and every error must be under tol."""
+    checked on some rank, and every error must be under tol, or, where the reports
+    measured fp32's noise (run_parity(noise=True)), under NOISE_MARGIN times the
+    largest error of one fp32 process if that is the larger."""
     checked = set().union(*(r.names for r in reports))
     missing = reports[0].ref_names - checked
     assert not missing, f"parameters never compared on any rank: {sorted(missing)}"
     worst = max(reports, key=lambda r: r.worst)
+    noise = max((r.noise.worst for r in reports if r.noise), default=0.0)
+    tol = max(tol, NOISE_MARGIN * noise)
     assert worst.worst < tol, (
-        f"parity failed (tol {tol:g}): loss {worst.loss:.3g}, grad {worst.grad:.3g} ({worst.worst_grad_name}), "
-        f"param {worst.param:.3g} ({worst.worst_param_name}), grad norm {worst.grad_norm:.3g}, aux {worst.aux:.3g}, "
-        f"expert bias {worst.buffer:.3g}; losses {worst.losses}")
+        f"parity failed (tol {tol:g}, fp32 noise {noise:g}): loss {worst.loss:.3g}, grad {worst.grad:.3g} "
+        f"({worst.worst_grad_name}), param {worst.param:.3g} ({worst.worst_param_name}), grad norm "
+        f"{worst.grad_norm:.3g}, aux {worst.aux:.3g}, expert bias {worst.buffer:.3g}; losses {worst.losses}")
     return worst
 
 

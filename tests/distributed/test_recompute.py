@@ -111,7 +111,7 @@ def _parity(rank, world):
         pcfg = ParallelConfig(zero=3, recompute=mode, sp=True)
         reports[mode] = run_parity(me, lambda: GPT(CFG, seed=0), layout(pcfg),
                                    tiny_batches(CFG.vocab_size, steps=3, batch=8, seq=16), micro_batches=2,
-                                   fb_kwargs=fb_kwargs(me, pcfg))
+                                   fb_kwargs=fb_kwargs(me, pcfg), noise=True)
     return reports
 
 
@@ -119,11 +119,14 @@ def test_recompute_under_fsdp_and_tp_is_exact(pools):
     # dp=2 x tp=2 with SP, zero 3, 2 micro-batches: recomputation inside FSDP units
     # (parameters gathered again for it) on tensor-parallel blocks (whose reductions
     # selective recompute keeps). Each mode matches one process, and the modes match
-    # each other to the bit: same losses and the same errors on every metric.
+    # each other to the bit: same losses and the same errors on every metric. Errors
+    # are against float64, bounded by 1e-5 or 10x one fp32 process' own error, if larger
+    # (a 1e-5 bound against an fp32 reference once failed at 1.02e-5 on a zero-init bias).
     results = pools.run(4, _parity)
     for mode in MODES:
         worst = assert_parity([r[mode] for r in results], 1e-5)
-        print(f"recompute {mode:>9} under zero 3, dp=2 x tp=2 SP: worst rel err {worst.worst:.2e}")
+        print(f"recompute {mode:>9} under zero 3, dp=2 x tp=2 SP: worst rel err {worst.worst:.2e} "
+              f"(one fp32 process: {worst.noise.worst:.2e})")
     for r in results:
         same = [(x.losses, x.loss, x.grad, x.param, x.grad_norm) for x in r.values()]
         assert same[1:] == same[:-1]
