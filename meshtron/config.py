@@ -112,11 +112,11 @@ class TrainingConfig:
     """samples per optimizer step (default: micro-batch x micro-batches x data-parallel ranks)"""
     seq_len: int = 128
     """tokens per sample"""
-    lr: float = 1e-3
+    lr: float = field(default=1e-3, metadata={"preset": True})
     """peak learning rate"""
     min_lr_ratio: float = 0.1
     """final learning rate as a fraction of the peak"""
-    warmup: int = 10
+    warmup: int = field(default=10, metadata={"preset": True})
     """linear warmup steps"""
     weight_decay: float = 0.1
     """AdamW weight decay (not on biases and norms)"""
@@ -195,6 +195,10 @@ class Config:
         if first.config:
             p.set_defaults(**read_toml(first.config, models))
         args = p.parse_args(argv)
+        preset = preset_training(models, args.model)
+        for f in dataclasses.fields(TrainingConfig):
+            if f.metadata.get("preset") and getattr(args, f.name) is None:   # neither a flag nor --config gave it
+                setattr(args, f.name, preset.get(f.name, f.default))
         config = Config(**{name: cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
                            for name, cls in SECTIONS.items()})
         if args.print_config:
@@ -260,6 +264,13 @@ class Config:
 
 # ---- the command line, generated from the dataclasses ---------------------------
 
+def preset_training(models, preset: str) -> dict:
+    """The training settings a preset's family is trained with ({"lr": ..., "warmup": ...});
+    empty for an unknown preset or without the registry."""
+    spec = (models or {}).get(preset)
+    return dict(spec.training.get(preset, {})) if spec is not None else {}
+
+
 @functools.cache
 def field_docs(cls) -> dict[str, str]:
     """The string literal under each field: the attribute docstrings of `cls`."""
@@ -322,6 +333,12 @@ def parser(description: str | None = None, models=None) -> argparse.ArgumentPars
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             help_ = f"{docs[f.name]} (default: {f.default})"
+            if f.metadata.get("preset"):   # the preset's own, listed; else the field's default
+                by_preset = {m: preset_training(models, m).get(f.name) for m in (models or {})}
+                listed = ", ".join(f"{m} {v:g}" for m, v in by_preset.items() if v is not None)
+                help_ = f"{docs[f.name]} (default: the preset's: {listed}; else {f.default})"
+                group.add_argument(flag, type=_type_of(f), default=None, help=help_)
+                continue
             if f.type in ("bool", bool):
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
             else:

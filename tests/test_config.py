@@ -44,3 +44,18 @@ def test_every_flag_has_help_and_shows_its_default():
             assert action.help, action.dest
             if action.dest not in ("config", "print_config"):
                 assert "(default: " in action.help, action.dest
+
+
+def test_learning_rate_and_warmup_come_from_the_preset_unless_given(tmp_path):
+    # a 3B Llama at the tiny models' 1e-3 spiked to loss 22 on its fifth step: each
+    # preset carries its family's schedule, and a flag or a file still wins
+    def schedule(*argv):
+        t = Config.from_args(list(argv), models=PRESETS).training
+        return t.lr, t.warmup
+    assert schedule("--model", "llama-3B") == (3e-4, 2000)
+    assert schedule("--model", "1.3B") == (2e-4, 375)
+    assert schedule("--model", "tiny") == (1e-3, 10)
+    assert schedule("--model", "llama-3B", "--lr", "1e-4", "--warmup", "5") == (1e-4, 5)
+    (tmp_path / "run.toml").write_text('[model]\nmodel = "llama-1B"\n[training]\nwarmup = 7\n')
+    assert schedule("--config", str(tmp_path / "run.toml")) == (3e-4, 7)
+    assert all(set(PRESETS[m].training) == set(PRESETS[m].presets) for m in PRESETS)

@@ -19,7 +19,7 @@ What the trainer relies on, for every model:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch.nn as nn
@@ -48,6 +48,9 @@ class ModelSpec:
     (the layout planner reads which dims it splits)"""
     hf: Any = None
     """the Hugging Face adapter module (names, tensors and config.json both ways), or None"""
+    training: dict[str, dict] = field(default_factory=dict)
+    """preset name -> the training settings its family is trained with ({"lr": peak, "warmup": steps}),
+    the defaults of --lr and --warmup"""
 
 
 def moe_overrides(preset, options) -> dict:
