@@ -7,6 +7,7 @@ counted), so recomputation lowers MFU, as in Megatron and PaLM.
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import torch
@@ -113,6 +114,9 @@ class RunLog:
         self.active = rank == 0
         self.verbose = verbose
         self.metrics_file = metrics_file if self.active else None
+        if self.metrics_file:
+            # made at start: a missing folder must not end a run at its first log line
+            os.makedirs(os.path.dirname(os.path.abspath(self.metrics_file)), exist_ok=True)
         self.writer = None
         if self.active and tensorboard:
             try:
