@@ -4,8 +4,11 @@
 # (warmup, then cosine to 0.1 of the peak over the whole run: torchtitan's decay_type cosine with
 # decay_ratio 1 and min_lr_factor 0.1 is meshtron's warmup_cosine), then one plot of the three curves.
 #
-# Prepare once on the CPU machine (the kit in .peer/, see benchmarks/vs_torchtitan.sh):
-#   python -m meshtron.data.prepare .peer/data/c4_test/data.json --output-prefix .peer/mt/c4 --tokenizer .peer/tokenizer
+# Same tokens: `prepare` (once, on the CPU machine, with the kit in .peer/: see benchmarks/vs_torchtitan.sh)
+# replays torchtitan's loader (each document as BOS + ids + EOS, one stream, cut into windows of SEQ + 1
+# tokens, re-looped at the end) for STEPS x MB windows and writes each window's first SEQ tokens to a
+# .u16 file, which meshtron reads in order (--no-shuffle): every step both see the same inputs, and all
+# targets but each sequence's last are the same.
 # Run on the GPU machine (device call with carry [".peer", ".whl"]):
 #   OUT=$OUT bash benchmarks/convergence.sh [bf16] [fp8] [torchtitan]     (default: all three, then the summary)
 #   bash benchmarks/convergence.sh summary        (last-20-step means and the plot from $OUT)
@@ -26,7 +29,7 @@ meshtron() {  # name, extra flags
   echo "=== meshtron $name"
   PYTHONPATH=$ROOT $PY "$ROOT/recipes/train.py" --model "$MODEL" --untie-embeddings --dtype bf16 --compile \
     --seq-len "$SEQ" --micro-batch "$MB" --steps "$STEPS" --lr "$LR" --warmup "$WARMUP" \
-    --data "$KIT/mt/c4" --seed 0 --log-interval 1 --metrics-file "$OUT/$name.jsonl" "$@" 2>&1 | grep -v Warning | tail -4
+    --data "$KIT/mt/c4_tt.u16" --no-shuffle --seed 0 --log-interval 1 --metrics-file "$OUT/$name.jsonl" "$@" 2>&1 | grep -v Warning | tail -4
 }
 
 torchtitan() {  # its log's "step: N  loss: X" lines -> the JSON lines meshtron.plot reads
@@ -40,6 +43,29 @@ torchtitan() {  # its log's "step: N  loss: X" lines -> the JSON lines meshtron.
 for l in sys.stdin:
     m = re.search(r'step:\s*(\d+)\s+loss:\s*([0-9.]+)', l)
     if m: print(json.dumps({'step': int(m[1]), 'loss': float(m[2])}))" > "$OUT/torchtitan.jsonl"
+}
+
+prepare() {
+  mkdir -p "$KIT/mt"
+  $PY - "$KIT" "$STEPS" "$MB" "$SEQ" <<'PY'
+import json, sys
+import numpy as np
+from tokenizers import Tokenizer
+kit, steps, mb, seq = sys.argv[1], *map(int, sys.argv[2:])
+tok = Tokenizer.from_file(f"{kit}/tokenizer/tokenizer.json")
+bos, eos = tok.token_to_id("<|begin_of_text|>"), tok.token_to_id("<|end_of_text|>")
+docs = [json.loads(l)["text"] for l in open(f"{kit}/data/c4_test/data.json") if l.strip()]
+windows, buf = [], []
+while len(windows) < steps * mb:
+    for text in docs:
+        buf += [bos] + tok.encode(text).ids + [eos]
+        while len(buf) >= seq + 1 and len(windows) < steps * mb:
+            windows.append(buf[:seq])
+            buf = buf[seq + 1:]
+out = np.asarray([t for w in windows for t in w] + [eos], dtype=np.uint16)
+out.tofile(f"{kit}/mt/c4_tt.u16")
+print(f"{len(windows)} windows of {seq} tokens ({len(docs)} documents) -> {kit}/mt/c4_tt.u16")
+PY
 }
 
 summary() {
@@ -67,10 +93,11 @@ PY
 
 for what in "$@"; do
   case $what in
+    prepare) prepare ;;
     bf16) meshtron bf16 ;;
     fp8) meshtron fp8 --fp8 tensorwise ;;
     torchtitan) torchtitan ;;
     summary) summary ;;
-    *) echo "unknown: $what (bf16, fp8, torchtitan, summary)"; exit 2 ;;
+    *) echo "unknown: $what (prepare, bf16, fp8, torchtitan, summary)"; exit 2 ;;
   esac
 done

@@ -146,6 +146,8 @@ class DataConfig:
     """steps between evaluations (and one at the last step) when --eval-data is given"""
     eval_steps: int = 10
     """global batches per evaluation"""
+    shuffle: bool = True
+    """draw each epoch's samples in a seeded random order (--no-shuffle: file order, as torchtitan's loader reads)"""
 
 
 @dataclass

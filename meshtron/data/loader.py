@@ -27,6 +27,7 @@ class BatchLoader:
     micro_batch: int | None = None
     seed: int = 0
     step: int = 0
+    shuffle: bool = True
 
     def __post_init__(self):
         if not hasattr(self.data, "order"):     # an array of token ids
@@ -49,7 +50,7 @@ class BatchLoader:
     def _samples(self, step: int):
         epoch, i = divmod(step, self.batches_per_epoch)
         if epoch != self._epoch:
-            self._epoch, self._order = epoch, self.data.order(self.seq_len, self.seed, epoch)
+            self._epoch, self._order = epoch, self.data.order(self.seq_len, self.seed, epoch, self.shuffle)
         ids = self._order[i * self.global_batch:(i + 1) * self.global_batch]
         return ids[self.dp_rank * self.local_batch:(self.dp_rank + 1) * self.local_batch]
 

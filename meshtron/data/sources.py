@@ -142,7 +142,9 @@ class Tokens:
     def num_samples(self, seq_len: int) -> int:
         return max(0, (len(self.tokens) - 1) // seq_len)
 
-    def order(self, seq_len: int, seed: int, epoch: int) -> np.ndarray:
+    def order(self, seq_len: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
+        if not shuffle:
+            return np.arange(self.num_samples(seq_len))
         return np.random.default_rng([seed, epoch]).permutation(self.num_samples(seq_len))
 
     def sample(self, i: int, seq_len: int) -> np.ndarray:
@@ -176,10 +178,10 @@ class Blend:
             self._cache[n] = (part, within)
         return self._cache[n]
 
-    def order(self, seq_len: int, seed: int, epoch: int) -> np.ndarray:
+    def order(self, seq_len: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
         n = self.num_samples(seq_len)
         part, within = self._blending(n)
-        perms = [p.order(seq_len, seed * 1_000_003 + d, epoch) for d, p in enumerate(self.parts)]
+        perms = [p.order(seq_len, seed * 1_000_003 + d, epoch, shuffle) for d, p in enumerate(self.parts)]
         return np.stack([part, np.array([perms[d][j] for d, j in zip(part, within)], dtype=np.int64)], axis=1)
 
     def sample(self, i, seq_len: int) -> np.ndarray:

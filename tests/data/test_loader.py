@@ -55,6 +55,16 @@ def test_loader_state_resumes_exactly_and_wraps_epochs():
     assert c.step == a.step * 4 // 8
 
 
+def test_no_shuffle_reads_the_file_in_order_every_epoch():
+    tokens = np.arange(1000, dtype=np.uint16)
+    a = BatchLoader(tokens, seq_len=9, global_batch=4, dp_rank=1, dp_size=2, shuffle=False)   # 27 batches an epoch
+    x, y = a.next()
+    assert x[:, 0].tolist() == [18, 27] and torch.equal(x[:, 1:], y[:, :-1])   # samples 2 and 3 of batch 0
+    for _ in range(26):
+        a.next()
+    assert a.next()[0][:, 0].tolist() == [18, 27]                                # epoch 2 starts over
+
+
 def test_bad_batch_shapes_are_clear_errors():
     tokens = np.zeros(1000, dtype=np.uint16)
     with pytest.raises(ValueError, match="not divisible by the data-parallel size 3"):
