@@ -106,8 +106,8 @@ class DirectoryLock:
                 raise OSError(e.errno, f"cannot lock {self.path} ({e.strerror}): this filesystem may not "
                                        "support flock") from None
             raise DirectoryLocked(f"checkpoint directory {self.directory} is in use by another run: "
-                                  f"{describe(holder)} (lock file {self.path}); stop that run, or use another "
-                                  "directory") from None
+                                  f"{describe(holder)}; stop that run (its lock, {self.path}, frees itself "
+                                  "when the run's process ends), or use another directory") from None
         previous = _read(fd)
         record = {"host": socket.gethostname(), "pid": os.getpid(),
                   "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}

@@ -197,6 +197,13 @@ def test_a_held_directory_is_refused_before_training_and_taken_over_once_its_hol
     assert len(losses) == 3 and len(metrics.read_text().splitlines()) == 3
     assert f"took over {ck}: its lock was left by a run that died holding it, pid {holder.pid} on host" in printed
     assert (ck / ".lock").read_text() == ""              # released at the end of the run
+    # a set-up that fails after taking the lock (a fresh run into a used directory) releases it
+    fresh = pools.run(2, _run_catching, [a for a in argv if a != str(metrics) and a != "--metrics-file"])
+    assert fresh == [("error", f"--checkpoint-dir {ck} already holds checkpoints (newest step-00000003): pass "
+                               "--resume auto to continue from them, or another directory")] * 2
+    free = DirectoryLock(str(ck))
+    assert free.acquire() is None
+    free.release()
 
 
 # ---- point 4: a one-process run needs no port -----------------------------------------
