@@ -110,7 +110,7 @@ class DirectoryLock:
                                   "when the run's process ends), or use another directory") from None
         previous = _read(fd)
         record = {"host": socket.gethostname(), "pid": os.getpid(),
-                  "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+                  "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(record).encode(), 0)
         os.fsync(fd)

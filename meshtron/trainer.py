@@ -3,8 +3,8 @@
     trainer = Trainer(Config.from_args(models=meshtron.models.PRESETS))
     losses = trainer.train()
 
-Set-up, in this order: every check that needs no process group (config, model
-layout, data, checkpoint files), agreed across ranks; the mesh; the model built
+Set-up, in this order: every check that needs no process group (config, the
+checkpoint directory's lock, model layout, data, checkpoint files), agreed across ranks; the mesh; the model built
 on the meta device, cut into pipeline stages, parallelized by its spec (TP,
 recompute, compile, FSDP), materialized and initialized by parameter name (the
 same values under any layout); optimizer, schedule, data loader; the checkpoint

@@ -25,6 +25,11 @@ TINY = ["--model", "tiny", "--untie-embeddings", "--seq-len", "32", "--global-ba
         "--log-interval", "1"]
 DP2 = ["--dp", "2", "--micro-batch", "4"]
 DEADLINE_S = 15
+# lifetime.py alone, without torch: `m` is the module
+LIFETIME_PY = os.path.join(ROOT, "meshtron", "lifetime.py")
+LOAD_LIFETIME = ("import importlib.util; "
+                 f"s = importlib.util.spec_from_file_location('lifetime', {LIFETIME_PY!r}); "
+                 "m = importlib.util.module_from_spec(s); s.loader.exec_module(m); ")
 
 
 def _env() -> dict:
@@ -111,9 +116,7 @@ def test_workers_die_with_a_killed_agent_and_the_job_resumes_exactly(pools, tmp_
 
 def _orphan_script(use_prctl: bool) -> str:
     """A parent that starts a 'worker' tying its life to the parent's, then waits."""
-    worker = (f"import importlib.util, sys, time; "
-              f"s = importlib.util.spec_from_file_location('lifetime', {os.path.join(ROOT, 'meshtron', 'lifetime.py')!r}); "
-              f"m = importlib.util.module_from_spec(s); s.loader.exec_module(m); "
+    worker = (LOAD_LIFETIME + "import time; "
               f"how = m.die_with_agent(poll_s=0.1, use_prctl={use_prctl}); print(how, flush=True); time.sleep(600)")
     return (f"import os, subprocess, sys, time; "
             f"subprocess.Popen([sys.executable, '-c', {worker!r}], start_new_session=True, "
@@ -151,9 +154,7 @@ def test_the_lock_names_its_holder_is_released_and_a_dead_holders_lock_is_taken_
     again = DirectoryLock(str(tmp_path))
     assert again.acquire() is None
     again.release()
-    code = ("import importlib.util, os; "
-            f"s = importlib.util.spec_from_file_location('lifetime', {os.path.join(ROOT, 'meshtron', 'lifetime.py')!r}); "
-            "m = importlib.util.module_from_spec(s); s.loader.exec_module(m); "
+    code = (LOAD_LIFETIME + "import os; "
             f"m.DirectoryLock({str(tmp_path)!r}).acquire(); os._exit(0)")   # dies holding it
     dead = subprocess.Popen([sys.executable, "-c", code], env=_env())
     assert dead.wait() == 0
