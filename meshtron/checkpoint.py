@@ -5,6 +5,7 @@ Layout on disk (one directory per saved step under a root):
     root/step-00000100/   .metadata, __<rank>_*.distcp  (DCP: each rank writes its shards)
                           meshtron.json                  (model config, layout, step, file sizes + CRCs)
     root/.tmp-step-...    a save in progress; never read
+    root/.lock            held by the run writing here (meshtron/lifetime.py)
 
 State is keyed by parameter name (FQN), never by layout: model weights as the
 DTensors FSDP/TP hold, AdamW state likewise, so DCP reshards on load to any
@@ -135,8 +136,10 @@ def save(root: str, step: int, parts, optimizer, scheduler=None, loader=None, *,
             f.flush()
             os.fsync(f.fileno())
         os.rename(tmp, final)                    # atomic: the checkpoint exists whole or not at all
-        for old in list_checkpoints(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        for old in list_checkpoints(root)[:-keep]:   # renamed first: a killed prune leaves no partial step-N
+            doomed = os.path.join(root, ".tmp-pruned-" + os.path.basename(old))
+            os.rename(old, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
     _barrier()
     return final
 
@@ -146,6 +149,17 @@ def list_checkpoints(root: str) -> list[str]:
     if not os.path.isdir(root):
         return []
     return [os.path.join(root, d) for d in sorted(os.listdir(root)) if STEP_DIR.match(d)]
+
+
+def clear_unfinished(root: str) -> list[str]:
+    """Remove what killed saves and prunes left (.tmp-*); only for the run that
+    holds the directory's lock, since another run's save in progress looks the same."""
+    if not os.path.isdir(root):
+        return []
+    left = sorted(d for d in os.listdir(root) if d.startswith(".tmp-"))
+    for d in left:
+        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+    return left
 
 
 def latest(root: str) -> str | None:

@@ -146,3 +146,4 @@ class RunLog:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+            self.writer = None

@@ -3,8 +3,8 @@
     trainer = Trainer(Config.from_args(models=meshtron.models.PRESETS))
     losses = trainer.train()
 
-Set-up, in this order: every check that needs no process group (config, model
-layout, data, checkpoint files), agreed across ranks; the mesh; the model built
+Set-up, in this order: every check that needs no process group (config, the
+checkpoint directory's lock, model layout, data, checkpoint files), agreed across ranks; the mesh; the model built
 on the meta device, cut into pipeline stages, parallelized by its spec (TP,
 recompute, compile, FSDP), materialized and initialized by parameter name (the
 same values under any layout); optimizer, schedule, data loader; the checkpoint
@@ -43,6 +43,7 @@ from meshtron.distributed.pipeline_parallel import Pipeline
 from meshtron.distributed.reduce import sum_over
 from meshtron.distributed.tied import materialize
 from meshtron.layout import build_model, pipeline_io, resolve_layout
+from meshtron.lifetime import DirectoryLock, describe, die_with_agent, under_torchrun
 from meshtron.loss import IGNORE_INDEX, logits_of
 from meshtron.metrics import RunLog, Throughput, peak_memory_gib
 from meshtron.optim import build_optimizer, warmup_cosine
@@ -51,16 +52,22 @@ from meshtron.step import _value, gradients, layout_loss, moe_end_step
 
 def init_process_group(timeout_s: float) -> None:
     """The default process group, with our own timeout (a lost peer fails the job,
-    and torchrun --max-restarts restarts it). torchrun's agent keeps one store
-    across restarts, so keys are prefixed by attempt: a restarted job must not
-    read the addresses a dead attempt published."""
+    and torchrun --max-restarts restarts it). A world of one outside torchrun
+    meets no one: an in-process store and no port, so one-process runs share a
+    machine. A torchrun worker first ties its life to the agent's (lifetime.py);
+    the agent keeps one store across restarts, so keys are prefixed by attempt:
+    a restarted job must not read the addresses a dead attempt published."""
     if dist.is_initialized():
         return
     backend = "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
-    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
-        dist.init_process_group(backend, timeout=timeout)
+    if not under_torchrun():
+        if os.environ.get("WORLD_SIZE", "1") == "1":
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
         return
+    die_with_agent()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
@@ -71,19 +78,42 @@ def init_process_group(timeout_s: float) -> None:
 
 class Trainer:
     """Everything a run needs, built once from a Config: `parts` (the model, or this
-    rank's pipeline stages), `optimizer`, `scheduler`, `loader`, and `step`/`train`."""
+    rank's pipeline stages), `optimizer`, `scheduler`, `loader`, and `step`/`train`.
+    Rank 0 holds --checkpoint-dir's lock from set-up until `close` (which `train`
+    calls at its end); a set-up that fails releases it."""
 
     def __init__(self, config: Config, *, verbose: bool = True):
-        self.config = c = config
+        self.config = config
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.lock: DirectoryLock | None = None
+        self.run_log: RunLog | None = None
+        try:
+            self._set_up(verbose)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Release the checkpoint directory and close the run's logs; safe to repeat."""
+        if self.run_log is not None:
+            self.run_log.close()
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    # ---- set-up ----------------------------------------------------------------------
+
+    def _set_up(self, verbose: bool) -> None:
+        c = self.config
         par, tr = c.parallel, c.training
         with agree():   # nothing has communicated yet: every problem stops every rank here
             c.validate(world_size())
+            self.run_log = RunLog(self.rank, tr.metrics_file, tr.tensorboard, verbose)
+            self.lock = self._hold_checkpoint_dir()
             self.spec, mc, degrees, self.microbatches, self.global_batch = resolve_layout(c, world_size())
             self.model_config = mc
             tokens = open_data(c.data.data, mc.vocab_size, c.data.tokenizer)
             eval_tokens = open_data(c.data.eval_data, mc.vocab_size, c.data.tokenizer) if c.data.eval_data else None
-            self.run_log = RunLog(self.rank, tr.metrics_file, tr.tensorboard, verbose)
             self.resume_from = self._find_resume()
         self.mesh = init_mesh(**degrees)
         self.device = (torch.device("cuda", torch.cuda.current_device()) if self.mesh.device_type == "cuda"
@@ -116,7 +146,19 @@ class Trainer:
                 for moved in checkpoint.set_aside_newer(c.checkpoint.checkpoint_dir, self.start):
                     self.log(f"set aside a checkpoint newer than step {self.start}: {moved}")
 
-    # ---- set-up ----------------------------------------------------------------------
+    def _hold_checkpoint_dir(self) -> DirectoryLock | None:
+        """Rank 0 locks --checkpoint-dir (inside agree(): a live holder stops every
+        rank before anything communicates), then clears what killed saves left."""
+        d = self.config.checkpoint.checkpoint_dir
+        if not d or self.rank != 0:
+            return None
+        lock = DirectoryLock(d)
+        dead = lock.acquire()
+        if dead:
+            self.log(f"took over {d}: its lock was left by a run that died holding it, {describe(dead)}")
+        for left in checkpoint.clear_unfinished(d):
+            self.log(f"removed {left} from {d}: left by a killed save")
+        return lock
 
     def _find_resume(self) -> str | None:
         ck = self.config.checkpoint
@@ -227,7 +269,7 @@ class Trainer:
             for r, (ids, mem) in enumerate(per_rank):
                 host = " (host RSS)" if self.device.type == "cpu" else ""
                 self.log(f"rank {r} stages {ids}: peak mem {mem:.2f} GiB{host}")
-        self.run_log.close()
+        self.close()
         return [float(x) for x in losses]
 
     def _report(self, step: int, loss: float, norm: float, m: dict, elapsed: float) -> None:
@@ -273,18 +315,29 @@ def main(argv=None, *, description: str | None = None, exit_after: int | None = 
         ranks = None if args.dry_run_ranks is None else [int(r) for r in args.dry_run_ranks.split(",")]
         dry_run(config, args.dry_run, ranks)
         return []
+    created = not dist.is_initialized()
     init_process_group(config.training.pg_timeout)
-    if exit_after is None:
-        exit_after = _env_int("MESHTRON_EXIT_AFTER")
-    return Trainer(config).train(exit_after=exit_after, crash_at_step=_env_int("MESHTRON_CRASH_AT_STEP"))
+    try:
+        if exit_after is None:
+            exit_after = _env_int("MESHTRON_EXIT_AFTER")
+        trainer = Trainer(config)
+        try:
+            return trainer.train(exit_after=exit_after, crash_at_step=_env_int("MESHTRON_CRASH_AT_STEP"))
+        finally:
+            trainer.close()
+    except BaseException as e:
+        # every rank stopped at the same check: no teardown can wait on a lost peer
+        if created and getattr(e, "all_ranks", False):
+            dist.destroy_process_group()
+        raise
 
 
 def run(argv=None, description: str | None = None) -> None:
-    """The recipe's entry point: a world of one without torchrun; a problem is one
-    line on stderr, printed once (by rank 0 when every rank found it), and exit 1."""
+    """The recipe's entry point: a world of one without torchrun (no port: see
+    init_process_group); a problem is one line on stderr, printed once (by rank 0
+    when every rank found it), and exit 1."""
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", "29512"))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     try:
         main(argv, description=description)
     except (ValueError, OSError, KeyError) as e:

@@ -11,7 +11,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from meshtron.generate import main  # noqa: E402
 
 if __name__ == "__main__":
-    if "RANK" not in os.environ:   # plain `python recipes/generate.py`: a world of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", "29513"))
+    if "RANK" not in os.environ:   # plain `python recipes/generate.py`: a world of one, no port
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     main()

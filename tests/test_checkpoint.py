@@ -64,7 +64,7 @@ def test_killed_save_leaves_previous_checkpoint_loadable(pools, tmp_path):
     resumed = run(pools, "dp2-zero3", "--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3",
                   "--resume", "auto")
     assert resumed == straight[3:]
-    assert not any(d.startswith(".tmp") for d in os.listdir(tmp_path))                # cleaned by the next save
+    assert not any(d.startswith(".tmp") for d in os.listdir(tmp_path))   # cleared by the run that took the directory
 
 
 def _die_during_save(rank, world, argv):
@@ -215,7 +215,7 @@ def test_resume_auto_skips_a_corrupt_newest_checkpoint(pools, tmp_path):
     resumed = run(pools, "dp2-zero3", "--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3",
                   "--resume", "auto")
     assert resumed == straight[3:]                              # from step 3, exactly
-    assert sorted(os.listdir(tmp_path)) == ["stale-step-00000006", "step-00000003", "step-00000006"]
+    assert sorted(os.listdir(tmp_path)) == [".lock", "stale-step-00000006", "step-00000003", "step-00000006"]
     checkpoint.validate(str(tmp_path / "step-00000006"))        # the new save is whole
 
 
@@ -226,7 +226,7 @@ def test_resuming_an_older_checkpoint_into_the_same_directory(pools, tmp_path):
     again = run(pools, "tp2-sp", "--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3",
                 "--resume", str(tmp_path / "step-00000003"))
     assert again == pytest.approx(straight[3:], rel=1e-5)
-    assert sorted(os.listdir(tmp_path)) == ["stale-step-00000006", "step-00000003", "step-00000006"]
+    assert sorted(os.listdir(tmp_path)) == [".lock", "stale-step-00000006", "step-00000003", "step-00000006"]
 
 
 def test_a_fresh_run_into_a_used_directory_is_refused_before_training(pools, tmp_path):

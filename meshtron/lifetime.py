@@ -1,0 +1,146 @@
+"""A job's lifetime: its workers die with their torchrun agent, and it holds its
+checkpoint directory, alone, while it lives.
+
+torchrun starts every worker in a session of its own, so a SIGKILL to the agent
+(or to the agent's process group) leaves the workers training and writing
+checkpoints into a directory that the next job then shares with them.
+`die_with_agent` asks the kernel to SIGKILL the worker when its parent (the
+agent) goes: Linux's prctl(PR_SET_PDEATHSIG); elsewhere a thread polls the
+parent pid. SIGKILL because a worker stuck in a collective runs no Python signal
+handler; it cannot leave a half-written checkpoint, since `checkpoint.save`
+makes a save visible by one rename once it is whole.
+
+`DirectoryLock` is an flock on `<dir>/.lock` for the run's life; the file holds
+the holder's host, pid and start time, for the message that refuses a second run.
+The kernel drops an flock when its holder dies, so a lock whose holder is gone
+is free: the next run takes it and says whose it was. Standard library only:
+nothing here needs torch or a process group.
+"""
+from __future__ import annotations
+
+import ctypes
+import datetime
+import errno
+import fcntl
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+
+_PR_SET_PDEATHSIG = 1   # <linux/prctl.h>
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RESTART_COUNT" in os.environ
+
+
+def die_with_agent(poll_s: float = 1.0, use_prctl: bool = True) -> str | None:
+    """Under torchrun, make this worker die (SIGKILL) when the agent that started
+    it dies. Returns how: "prctl", "watchdog" (a thread polling the parent pid,
+    where prctl is missing or `use_prctl` is False), or None outside torchrun.
+    Call it first thing: a worker orphaned before the call cannot tell its new
+    parent from the agent (in a container the agent may be pid 1), but it then
+    fails to reach the agent's rendezvous store and exits."""
+    if not under_torchrun():
+        return None
+    agent = os.getppid()
+    if use_prctl and _set_pdeathsig(signal.SIGKILL):
+        if os.getppid() != agent:   # the agent died between reading its pid and the prctl
+            _die(agent)
+        return "prctl"
+    threading.Thread(target=_watch, args=(agent, poll_s), name="meshtron-die-with-agent", daemon=True).start()
+    return "watchdog"
+
+
+def _set_pdeathsig(sig: int) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch(agent: int, poll_s: float) -> None:
+    stop = threading.Event()   # never set: a sleep that a daemon thread may be cut off in
+    while os.getppid() == agent:
+        stop.wait(poll_s)
+    _die(agent)
+
+
+def _die(agent: int) -> None:
+    print(f"meshtron: the torchrun agent (pid {agent}) is gone; this worker (pid {os.getpid()}) stops",
+          file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class DirectoryLocked(ValueError):
+    """Another live run holds the directory."""
+
+
+class DirectoryLock:
+    """An exclusive flock on `<directory>/.lock`, held from `acquire` to `release`.
+    The file is never deleted (a lock file removed while another process waits
+    on its old inode would let two runs in); a clean release empties it, so a
+    record found in a free lock is that of a run that died holding it."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.path = os.path.join(directory, ".lock")
+        self._fd: int | None = None
+
+    def acquire(self) -> dict | None:
+        """Take the lock. Returns the record of a dead holder it took over (None if
+        the lock was clean); raises DirectoryLocked naming a live holder."""
+        os.makedirs(self.directory, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = _read(fd)
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise OSError(e.errno, f"cannot lock {self.path} ({e.strerror}): this filesystem may not "
+                                       "support flock") from None
+            raise DirectoryLocked(f"checkpoint directory {self.directory} is in use by another run: "
+                                  f"{describe(holder)}; stop that run (its lock, {self.path}, frees itself "
+                                  "when the run's process ends), or use another directory") from None
+        previous = _read(fd)
+        record = {"host": socket.gethostname(), "pid": os.getpid(),
+                  "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+        return previous
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            os.ftruncate(fd, 0)
+        finally:
+            os.close(fd)   # closing the last descriptor drops the flock
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+
+def describe(holder: dict | None) -> str:
+    """'pid 123 on host h (since 2026-...)' for a lock record."""
+    if not holder:
+        return "a run that has not written its record yet"
+    return f"pid {holder.get('pid')} on host {holder.get('host')} (since {holder.get('started')})"
+
+
+def _read(fd: int) -> dict | None:
+    try:
+        data = os.pread(fd, 4096, 0)
+        return json.loads(data) if data.strip() else None
+    except (OSError, ValueError):
+        return None
