@@ -126,7 +126,7 @@ class Trainer:
                 self.optimizer, warmup_cosine(tr.warmup, tr.steps, tr.min_lr_ratio))
             index, count = batch_slice(self.mesh)
             self.loader = BatchLoader(tokens, tr.seq_len, self.global_batch, index, count, tr.micro_batch,
-                                      seed=tr.seed, shuffle=config.data.shuffle)
+                                      seed=tr.seed, shuffle=c.data.shuffle)
             self.eval_loader = None if eval_tokens is None else BatchLoader(
                 eval_tokens, tr.seq_len, self.global_batch, index, count, tr.micro_batch, seed=tr.seed)
             weights = c.checkpoint.init_from_hf or c.checkpoint.import_safetensors
