@@ -12,7 +12,7 @@
 # Run on the GPU machine (device call with carry [".peer", ".whl"]):
 #   OUT=$OUT bash benchmarks/convergence.sh [bf16] [fp8] [torchtitan]     (default: all three, then the summary)
 #   bash benchmarks/convergence.sh summary        (last-20-step means and the plot from $OUT)
-# Env: STEPS=300 MB=8 (sequences a step) SEQ=2048 LR=3e-4 (llama-1B's preset) WARMUP=30 MODEL=llama-1B
+# Env: MT_ARGS (more meshtron flags) STEPS=300 MB=8 (sequences a step) SEQ=2048 LR=3e-4 (llama-1B's preset) WARMUP=30 MODEL=llama-1B
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 KIT=${KIT:-$ROOT/.peer}
@@ -29,7 +29,7 @@ meshtron() {  # name, extra flags
   echo "=== meshtron $name"
   PYTHONPATH=$ROOT $PY "$ROOT/recipes/train.py" --model "$MODEL" --untie-embeddings --dtype bf16 --compile \
     --seq-len "$SEQ" --micro-batch "$MB" --steps "$STEPS" --lr "$LR" --warmup "$WARMUP" \
-    --data "$KIT/mt/c4_tt.u16" --no-shuffle --seed 0 --log-interval 1 --metrics-file "$OUT/$name.jsonl" "$@" 2>&1 | grep -v Warning | tail -4
+    --data "$KIT/mt/c4_tt.u16" --no-shuffle --seed 0 --log-interval 1 --metrics-file "$OUT/$name.jsonl" "$@" ${MT_ARGS:-} 2>&1 | grep -v Warning | tail -4
 }
 
 torchtitan() {  # its log's "step: N  loss: X" lines -> the JSON lines meshtron.plot reads
