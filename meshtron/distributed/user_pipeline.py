@@ -117,8 +117,9 @@ class UserSplit:
     """Where each module of a user model runs: `blocks` in call order, stage s
     holding blocks[bounds[s]:bounds[s + 1]]; `units` the other modules with
     parameters and their stage; what the stand-ins must return (`block_out`:
-    the blocks' tuple lengths, 0 for a tensor; `shapes`: per unit, the dims it
-    keeps of its input, the dims it appends, its dtype)."""
+    the blocks' tuple lengths, 0 for a tensor; `shapes`: per module called, the
+    dims it keeps of its input, the dims it appends, its dtype, or None where it
+    returned no tensor from a tensor)."""
     blocks: list[str]
     bounds: list[int]
     units: dict[str, int]
@@ -136,9 +137,9 @@ class UserSplit:
         return [units[0] + blocks[0]] + [b + u for b, u in zip(blocks[1:], units[1:])]
 
     def _stand_in(self, name: str, owner: int, s: int) -> nn.Module:
-        if owner > s:
+        if owner > s or name not in self.shapes:   # a later stage's, or never called
             return Unreached(name)
-        if name not in self.shapes:
+        if self.shapes[name] is None:
             raise ValueError(f"{name} (pipeline stage {owner}) returns no tensor from a tensor input: the "
                              f"stages after it cannot stand in for it")
         return Standin(name, *self.shapes[name])

@@ -84,6 +84,8 @@ def _record(model: nn.Module, probe: torch.Tensor) -> tuple[dict, dict, dict]:
         if isinstance(out, torch.Tensor) and x is not None:
             keep = next((i for i, (a, b) in enumerate(zip(x.shape, out.shape)) if a != b), min(x.ndim, out.ndim))
             shapes.setdefault(name, (keep, tuple(out.shape[keep:]), out.dtype))
+        else:
+            shapes.setdefault(name, None)
 
     for name, m in model.named_modules():
         if name:
