@@ -89,15 +89,18 @@ class Cut(Stub):
 class Standin(Stub):
     """A module with parameters that an earlier stage holds: zeros shaped like its
     output (the leading `keep` dims of its input, then `tail`), which the cut that
-    follows drops."""
+    follows drops. Floating zeros take the dtype of the hidden states `received`
+    (bf16 under mixed precision), so that what the forward derives from them
+    (rotary tables, masks) has the dtype it has in one process."""
 
-    def __init__(self, name: str, keep: int, tail: tuple, dtype: torch.dtype):
+    def __init__(self, name: str, keep: int, tail: tuple, dtype: torch.dtype, received: list):
         super().__init__(name)
-        self.keep, self.tail, self.dtype = keep, tail, dtype
+        self.keep, self.tail, self.dtype, self.received = keep, tail, dtype, received
 
     def forward(self, *args, **kwargs):
         x = _hidden(args, kwargs)
-        return torch.zeros(*x.shape[:self.keep], *self.tail, dtype=self.dtype, device=x.device)
+        dtype = self.received[0].dtype if self.dtype.is_floating_point and self.received else self.dtype
+        return torch.zeros(*x.shape[:self.keep], *self.tail, dtype=dtype, device=x.device)
 
 
 class Unreached(Stub):
@@ -136,19 +139,20 @@ class UserSplit:
         blocks = [self.blocks[self.bounds[s]:self.bounds[s + 1]] for s in range(self.n_stages)]
         return [units[0] + blocks[0]] + [b + u for b, u in zip(blocks[1:], units[1:])]
 
-    def _stand_in(self, name: str, owner: int, s: int) -> nn.Module:
+    def _stand_in(self, name: str, owner: int, s: int, received: list) -> nn.Module:
         if owner > s or name not in self.shapes:   # a later stage's, or never called
             return Unreached(name)
         if self.shapes[name] is None:
             raise ValueError(f"{name} (pipeline stage {owner}) returns no tensor from a tensor input: the "
                              f"stages after it cannot stand in for it")
-        return Standin(name, *self.shapes[name])
+        return Standin(name, *self.shapes[name], received)
 
     def build(self, model: nn.Module, s: int, share: bool = False) -> nn.Module:
         """Stage s: a copy of the model holding its own modules, stand-ins for the
         others (names unchanged), whose forward is `_stage_forward`'s. `share`:
         the copy uses the model's parameters (check_split), else copies them."""
         first, end = self.bounds[s], self.bounds[s + 1]
+        received: list = []     # the hidden states this stage got, during its forward
         memo = {id(p): p for p in model.parameters()} if share else {}
         for i, name in enumerate(self.blocks):
             if not first <= i < end:
@@ -156,9 +160,8 @@ class UserSplit:
                                                        Cut(name) if i == end else Unreached(name))
         for name, owner in self.units.items():
             if owner != s:
-                memo[id(model.get_submodule(name))] = self._stand_in(name, owner, s)
+                memo[id(model.get_submodule(name))] = self._stand_in(name, owner, s, received)
         stage = copy.deepcopy(model, memo)   # a module found in memo is replaced, not copied
-        received: list = []
         if s > 0:
             stage.get_submodule(self.blocks[first]).register_forward_pre_hook(
                 lambda module, args, kwargs: _swap_hidden(args, kwargs, received), with_kwargs=True)

@@ -125,16 +125,24 @@ def build(kind):
     return make
 
 
-def _pp(rank, world, kind, dp):
-    me = mesh(dp=dp, pp=2)
+LLAMA_PLAN = {"model.embed_tokens": "vocab_parallel", "model.layers.*.self_attn.q_proj": "colwise",
+              "model.layers.*.self_attn.k_proj": "colwise", "model.layers.*.self_attn.v_proj": "colwise",
+              "model.layers.*.self_attn.o_proj": "rowwise", "model.layers.*.mlp.gate_proj": "colwise",
+              "model.layers.*.mlp.up_proj": "colwise", "model.layers.*.mlp.down_proj": "rowwise",
+              "lm_head": "colwise_rep"}
+
+
+def _pp(rank, world, kind, dp, tp=1, schedule="1f1b", virtual=1, recompute="none"):
+    me = mesh(dp=dp, pp=2, tp=tp)
     blocks = MODELS[kind][1]
-    pcfg = ParallelConfig()
+    pcfg = ParallelConfig(recompute=recompute, loss_parallel=False)
+    points = [f"{blocks}.{i}" for i in ((2,) if virtual == 1 else (1, 2, 3))]
 
     def pipeline(model, me):
-        stages, user = user_stages(model, blocks, [f"{blocks}.2"])
-        pipe = split_model(model, me, "1f1b", 1, 2, stages, user=user)
-        for part in pipe.parts:
-            parallelize(part, me, pcfg)     # FSDP over dp, one unit per block this stage holds
+        stages, user = user_stages(model, blocks, points)
+        pipe = split_model(model, me, schedule, virtual, 2, stages, user=user)
+        for part in pipe.parts:     # FSDP over dp, one unit per block this stage holds
+            parallelize(part, me, pcfg, plan=LLAMA_PLAN if tp > 1 else None)
         pipe.build_schedule(cross_entropy_sum)
         return pipe
 
@@ -152,6 +160,38 @@ def test_pp2_matches_one_process(pools, kind):
 def test_pp2_x_dp2_matches_one_process(pools, kind):
     worst = assert_parity(pools.run(4, _pp, kind, 2), TOL)
     print(f"{kind} pp2 x dp2: loss {worst.loss:.2g} grad {worst.grad:.2g} param {worst.param:.2g}")
+
+
+@pytest.mark.parametrize("kind, layout", [
+    ("llama", dict(tp=2)),                                          # stand-ins are left out of the TP plan
+    ("gemma2", dict(schedule="interleaved-1f1b", virtual=2)),       # 4 stages, two per rank
+    ("softcap", dict(schedule="zbv", virtual=2)),
+    ("granite", dict(recompute="full")),                            # the received input is what is kept
+])
+def test_pp2_with_other_axes_and_schedules(pools, kind, layout):
+    world = 2 * layout.get("tp", 1)
+    worst = assert_parity(pools.run(world, _pp, kind, 1, **layout), TOL)
+    print(f"{kind} pp2 {layout}: loss {worst.loss:.2g} grad {worst.grad:.2g} param {worst.param:.2g}")
+
+
+def _evaluate(rank, world, kind):
+    me = mesh(dp=1, pp=2)
+    blocks = MODELS[kind][1]
+    model = build(kind)()
+    stages, user = user_stages(model, blocks, [f"{blocks}.2"])
+    pipe = split_model(model, me, "1f1b", 1, 2, stages, user=user)
+    pipe.build_schedule(cross_entropy_sum)
+    x, y = tiny_batches(VOCAB, steps=1, batch=4, seq=16)[0]
+    with torch.no_grad():
+        ref = cross_entropy_sum(model(x).logits if kind in HF else model(x), y)
+    loss = pipe.evaluate(x, y)      # the last stage's, 0 on the others
+    torch.distributed.all_reduce(loss, group=me["pp"].get_group())
+    return float(ref), float(loss)
+
+
+def test_pp2_evaluates_like_one_process(pools):
+    for ref, got in pools.run(2, _evaluate, "gemma2"):
+        assert got == pytest.approx(ref, rel=TOL)
 
 
 @pytest.mark.parametrize("kind, why", [
