@@ -65,6 +65,14 @@ class Stub(nn.Module):
         super().__init__()
         self.stands_for = name
 
+    def __getattr__(self, attr: str):
+        try:
+            return super().__getattr__(attr)
+        except AttributeError:
+            name = self.__dict__.get("stands_for", "a module")
+            raise AttributeError(f"{name} is held by another pipeline stage, but this stage's forward reads its "
+                                 f"{attr!r} outside a call to it (tie a weight through a module)") from None
+
 
 class PassThrough(Stub):
     """A block of an earlier stage: returns its input, shaped as the block's output

@@ -82,9 +82,12 @@ class Plain(nn.Module):
         self.blocks = nn.ModuleList([Block(d) for _ in range(n)])
         self.proj = nn.Linear(d, d) if kind == "twice" else None
         self.head = nn.Linear(d, VOCAB, bias=False)
+        self.pos = nn.Parameter(torch.zeros(16, d)) if kind == "root_param" else None
 
     def forward(self, ids):
         h = self.emb(ids)
+        if self.kind == "root_param":
+            h = h + self.pos[:ids.shape[1]]
         if self.kind == "norm_free":
             h = h * 8.0                                       # an embedding multiplier
         if self.kind == "twice":
@@ -101,7 +104,7 @@ class Plain(nn.Module):
             h = F.rms_norm(h, (h.shape[-1],))                 # a final norm without parameters
         if self.kind == "twice":
             h = self.proj(h)
-        logits = self.head(h)
+        logits = self.head(h) if self.kind != "weight_use" else F.linear(h, self.emb.weight)
         if self.kind == "late_block":
             logits = logits + early.sum(-1, keepdim=True)     # a block's output used after the head
         if self.kind == "softcap":
@@ -198,6 +201,8 @@ def test_pp2_evaluates_like_one_process(pools):
     ("x0", r"another output than one process .* crosses the cut at blocks.2"),
     ("twice", r"proj \(with parameters\) is called on pipeline stages \[0, 1\]"),
     ("late_block", r"another output than one process"),
+    ("root_param", r"parameters \['pos'\] sit directly on Plain, which every pipeline stage runs"),
+    ("weight_use", r"stage 1 of Plain fails on the probe batch: AttributeError: emb is held by another pipeline stage"),
 ])
 def test_unsplittable_models_are_refused_with_one_line(kind, why):
     torch.manual_seed(0)
