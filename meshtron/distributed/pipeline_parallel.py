@@ -9,6 +9,9 @@ None), so stages keep their module names and checkpoints do not depend on the
 split. Rank r of the pp axis holds stages r, r + pp, ... (looped, interleaved
 1F1B) or r and 2pp-1-r (V shape, ZBV). A weight tied across stages is a copy on
 each holder whose gradients are summed after the backward (tied.TiedCopies).
+A model meshtron did not write is cut by `user_stages` instead: each of its
+stages runs the model's own forward, with stand-ins for the modules it does not
+hold (user_pipeline.py), and the split is checked against one process first.
 
 Communication: one send/recv of a (micro-batch, T, d) activation per stage
 boundary and micro-batch, forward and backward (T/tp under SP). The bubble of

@@ -212,8 +212,9 @@ def test_unsplittable_models_are_refused_with_one_line(kind, why):
 
 
 def test_stages_by_call_order():
+    probe = torch.randint(0, VOCAB, (3, 9))
     stages, user = user_stages(build("opt")(), "model.decoder.layers", ["model.decoder.layers.1",
-                                                                       "model.decoder.layers.3"])
+                                                                       "model.decoder.layers.3"], probe=probe)
     assert stages == [["model.decoder.embed_tokens", "model.decoder.embed_positions", "model.decoder.layers.0"],
                       ["model.decoder.layers.1", "model.decoder.layers.2"],
                       ["model.decoder.layers.3", "model.decoder.final_layer_norm", "lm_head"]]
