@@ -221,3 +221,17 @@ def test_stages_by_call_order():
     assert user.n_stages == 3
     with pytest.raises(ValueError, match="not blocks of model.layers"):
         user_stages(build("llama")(), "model.layers", ["model.layers.9"])
+
+
+def test_stand_ins_take_the_dtype_of_the_hidden_states_received():
+    """Probed in fp32, run in bf16 (as under FSDP's mixed precision): the rotary
+    tables a later stage derives from its stand-in embedding are bf16, as in one
+    bf16 process, so the stages give its logits bit for bit."""
+    model = build("llama")()
+    _, user = user_stages(model, "model.layers", ["model.layers.2"])
+    half = model.to(torch.bfloat16)
+    first, last = (user.build(half, s) for s in range(2))
+    x = torch.randint(0, VOCAB, (2, 16))
+    with torch.no_grad():
+        out, ref = last(first(x, ids=x), ids=x), half(x).logits
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
