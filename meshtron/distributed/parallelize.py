@@ -30,9 +30,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshtron.config import ParallelConfig
 from meshtron.distributed.data_parallel import apply_fsdp
 from meshtron.distributed.mesh import degree
-from meshtron.distributed.pipeline_parallel import is_stub
 from meshtron.distributed.recompute import apply_recompute
 from meshtron.distributed.tensor_parallel import parallelize_module
+from meshtron.distributed.user_pipeline import is_stub
 
 log = logging.getLogger(__name__)
 

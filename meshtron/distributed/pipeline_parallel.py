@@ -9,6 +9,9 @@ None), so stages keep their module names and checkpoints do not depend on the
 split. Rank r of the pp axis holds stages r, r + pp, ... (looped, interleaved
 1F1B) or r and 2pp-1-r (V shape, ZBV). A weight tied across stages is a copy on
 each holder whose gradients are summed after the backward (tied.TiedCopies).
+A model meshtron did not write is cut by `user_stages` instead: each of its
+stages runs the model's own forward, with stand-ins for the modules it does not
+hold (user_pipeline.py), and the split is checked against one process first.
 
 Communication: one send/recv of a (micro-batch, T, d) activation per stage
 boundary and micro-batch, forward and backward (T/tp under SP). The bubble of
@@ -38,6 +41,8 @@ from torch.distributed.tensor import DTensor
 from meshtron.distributed.mesh import degree
 from meshtron.distributed.reduce import reduce_partial_grads
 from meshtron.distributed.tied import TiedCopies
+from meshtron.distributed.user_pipeline import UserSplit
+from meshtron.distributed.user_split import user_stages  # noqa: F401 - split_model's partner, imported from here
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -132,81 +137,19 @@ def stage_io(micro_batch: int, tokens: int, dim: int, vocab: int, dtype: torch.d
             torch.empty(micro_batch, tokens, vocab, **grad))
 
 
-class PassThrough(nn.Module):
-    """Stands in on a stage for a module it does not hold: returns its first input
-    (the hidden states that replace the token embedding on a later stage; a block
-    or the head that a stage skips)."""
-
-    def forward(self, x, *args, **kwargs):
-        return x
-
-
-class Zero(nn.Module):
-    """Stands in on a later stage for an embedding added to the token embedding
-    (learned positions): its contribution came in with the hidden states."""
-
-    def forward(self, x, *args, **kwargs):
-        return torch.zeros((), device=x.device)   # 0-d: adds nothing and changes no dtype
-
-
-def is_stub(module: nn.Module) -> bool:
-    return isinstance(module, (PassThrough, Zero))
-
-
-def build_stage(model: nn.Module, keep: set[str], split: set[str], stubs: dict | None = None) -> nn.Module:
+def build_stage(model: nn.Module, keep: set[str], split: set[str]) -> nn.Module:
     """A copy of the model holding, of the modules named in `split`, only `keep`; the
     others are removed (a ModuleDict entry deleted, an attribute set to None: the
-    meshtron models' forward skips them) or, with `stubs`, replaced by a stub so that
-    any model's own forward runs unchanged."""
+    meshtron models' forward skips them)."""
     stage = copy.deepcopy(model)
     for name in sorted(split - keep, key=lambda n: -n.count(".")):
         path, _, attr = name.rpartition(".")
         owner = stage.get_submodule(path) if path else stage
-        if stubs is not None:
-            setattr(owner, attr, stubs[name]())
-        elif isinstance(owner, nn.ModuleDict):
+        if isinstance(owner, nn.ModuleDict):
             del owner[attr]
         else:
             setattr(owner, attr, None)
     return stage
-
-
-def user_stages(model: nn.Module, blocks_name: str, split_points: list[str]) -> tuple[list[list[str]], dict]:
-    """Stages of any model from split points (the names of the blocks that begin
-    stages 1, 2, ...): stage 0 holds every module registered before the blocks
-    (embeddings, ...) and the blocks up to the first split point, the last stage
-    the remaining blocks and everything registered after them that has parameters
-    (final norm, head); parameter-free modules after the blocks (rotary tables)
-    run on every stage. Returns (module names per stage, the stub for each)."""
-    container = model.get_submodule(blocks_name)
-    blocks = [f"{blocks_name}.{n}" for n, _ in container.named_children()]
-    unknown = [p for p in split_points if p not in blocks]
-    if unknown:
-        raise ValueError(f"split points {unknown} are not blocks of {blocks_name} ({blocks[0]} ... {blocks[-1]})")
-    cuts = [blocks.index(p) for p in split_points]
-    if cuts != sorted(set(cuts)) or 0 in cuts:
-        raise ValueError(f"split points {split_points} must be increasing blocks after {blocks[0]}")
-    order = [n for n, _ in model.named_modules()]
-    where = order.index(blocks_name)
-    before, after, embeddings = [], [], []
-    for name, m in model.named_modules():
-        if not name or name == blocks_name or name.startswith(blocks_name + ".") or \
-                any(name.startswith(o + ".") for o in before + after):
-            continue
-        if blocks_name.startswith(name + "."):      # an ancestor of the blocks: look inside it
-            continue
-        if order.index(name) < where:
-            before.append(name)
-            if isinstance(m, nn.Embedding):
-                embeddings.append(name)
-        elif any(True for _ in m.parameters()):
-            after.append(name)
-    bounds = [0] + cuts + [len(blocks)]
-    stages = [blocks[a:b] for a, b in zip(bounds, bounds[1:])]
-    stages[0] = before + stages[0]
-    stages[-1] = stages[-1] + after
-    stubs = {n: (Zero if n in embeddings[1:] else PassThrough) for n in before + blocks + after}
-    return stages, stubs
 
 
 @dataclass
@@ -220,6 +163,7 @@ class Pipeline:
     microbatches: int
     mesh: DeviceMesh
     tied: TiedCopies
+    token_ids: bool = False     # every stage gets the micro-batch's token ids as `ids` (a user model's stages)
     schedule: object = None
     loss_fn: object = None
     loss_scale: torch.Tensor | float = 1.0
@@ -282,7 +226,7 @@ class Pipeline:
         # contiguous, as the shapes given to torch are (the loader's are views of longer windows)
         args = (x.contiguous(),) if self.has_first else ()
         kwargs = {"target": y, "losses": losses, **self._step_options} if self.has_last else {}
-        self.schedule.step(*args, **kwargs)
+        self.schedule.step(*args, **kwargs, **self._ids(x))
         self.tied.sum_grads(self._by_stage(), reduce_partial_grads)
         losses = [(t.full_tensor() if isinstance(t, DTensor) else t).detach().float() for t in losses]
         return torch.stack(losses).sum() if losses else torch.zeros((), device=x.device)
@@ -293,7 +237,7 @@ class Pipeline:
         self.loss_scale = 1.0
         losses = []
         args = (x.contiguous(),) if self.has_first else ()
-        kwargs = {"target": y, "losses": losses} if self.has_last else {}
+        kwargs = {"target": y, "losses": losses, **self._ids(x)} if self.has_last else self._ids(x)
         if hasattr(self.schedule, "eval"):   # torch 2.13; older schedules take the switch it sets
             self.schedule.eval(*args, **kwargs)
         else:
@@ -304,6 +248,9 @@ class Pipeline:
                 self.schedule._has_backward = True
         losses = [(t.full_tensor() if isinstance(t, DTensor) else t).detach().float() for t in losses]
         return torch.stack(losses).sum() if losses else torch.zeros((), device=x.device)
+
+    def _ids(self, x: torch.Tensor) -> dict:
+        return {"ids": x.contiguous()} if self.token_ids else {}
 
     def param_names(self) -> dict[int, str]:
         """id(parameter) -> the name checkpoints use: a tied copy takes its weight's first name."""
@@ -340,13 +287,14 @@ def _keep_buffers_through_shape_inference(stage: PipelineStage) -> None:
 
 
 def split_model(model: nn.Module, mesh: DeviceMesh, schedule: str, virtual: int, microbatches: int,
-                stages: list[list[str]], stubs: dict | None = None) -> Pipeline:
+                stages: list[list[str]], user: UserSplit | None = None) -> Pipeline:
     """Cut the (unparallelized) model into this pp rank's stages; `stages[s]` names
-    the modules stage s holds (a model spec's split, or user_stages with its
-    stubs). Call check_pipeline first."""
+    the modules stage s holds (a model spec's split, or user_stages' with its
+    UserSplit as `user`: then each stage runs the model's own forward with
+    stand-ins for what it does not hold). Call check_pipeline first."""
     pp = degree(mesh, "pp")
     n_stages = pp * virtual
-    if len(stages) != n_stages:
+    if len(stages) != n_stages or (user is not None and user.n_stages != n_stages):
         raise ValueError(f"the split must list pp*v = {n_stages} stages, got {len(stages)}")
     split = {n for names in stages for n in names}
     modules = dict(model.named_modules())
@@ -364,23 +312,5 @@ def split_model(model: nn.Module, mesh: DeviceMesh, schedule: str, virtual: int,
     owner = lambda s: stage_owner(s, pp, virtual, schedule)  # noqa: E731
     tied = TiedCopies.find(model, kept, owner, mesh["pp"])
     ids = stage_ids_of(mesh["pp"].get_local_rank(), pp, virtual, schedule)
-    parts = [build_stage(model, set(stages[s]), split, stubs) for s in ids]
-    if stubs is not None:
-        for part, s in zip(parts, ids):
-            _stage_forward(part, first=s == 0)
-    return Pipeline(parts, ids, n_stages, schedule, microbatches, mesh, tied)
-
-
-def _stage_forward(module: nn.Module, first: bool) -> None:
-    """A user model's stage takes and returns tensors: an output object (a Hugging
-    Face model's `.logits`) gives its tensor, and a later stage whose forward has
-    Hugging Face's `inputs_embeds` receives its hidden states there (some models
-    reshape `input_ids` before embedding them). The class changes (a subclass with
-    this forward); names and parameters do not."""
-    cls = type(module)
-    embeds = not first and "inputs_embeds" in inspect.signature(cls.forward).parameters
-
-    def forward(self, x, *args, **kwargs):
-        out = cls.forward(self, inputs_embeds=x, **kwargs) if embeds else cls.forward(self, x, *args, **kwargs)
-        return out if isinstance(out, torch.Tensor) else out.logits
-    module.__class__ = type(cls.__name__, (cls,), {"forward": forward})
+    parts = [user.build(model, s) if user is not None else build_stage(model, set(stages[s]), split) for s in ids]
+    return Pipeline(parts, ids, n_stages, schedule, microbatches, mesh, tied, token_ids=user is not None)

@@ -38,8 +38,8 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel import parallelize_module as _torch_parallelize_module
 
-from meshtron.distributed.pipeline_parallel import is_stub
 from meshtron.distributed.tied import retie, tied_groups
+from meshtron.distributed.user_pipeline import is_stub
 
 
 class ReplicateParallel(ParallelStyle):

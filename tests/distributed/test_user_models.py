@@ -1,8 +1,8 @@
 """meshtron.parallelize on models meshtron did not write: transformers'
 LlamaForCausalLM, Qwen2ForCausalLM (biases on q/k/v), GPT2LMHeadModel (Conv1D
 layers) and a plain nn.Module transformer, built from tiny configs, against one
-process: dp2 x tp2 with ZeRO-3 (one FSDP unit per block) and pp=2 by split
-points, fp32, 3 steps."""
+process: dp2 x tp2 with ZeRO-3 (one FSDP unit per block), fp32, 3 steps. Their
+pipelines: test_user_pipelines.py."""
 import pytest
 import torch
 import torch.nn as nn
@@ -11,8 +11,6 @@ from torch.distributed.fsdp import FSDPModule
 
 from meshtron import ParallelConfig, parallelize
 from meshtron.distributed.parallelize import find_blocks
-from meshtron.distributed.pipeline_parallel import split_model, user_stages
-from meshtron.loss import cross_entropy_sum
 
 from harness import mesh
 from parity import assert_parity, fb_kwargs, run_parity, tiny_batches
@@ -120,34 +118,3 @@ def test_dp2_x_tp2_zero3_matches_one_process(pools, kind):
     assert_parity([r[0] for r in results], 1e-5)
     for _, units, blocks in results:
         assert units == blocks + 1 == 5     # one FSDP unit per block, and the root
-
-
-def _pp(rank, world, kind):
-    me = mesh(dp=1, pp=2)
-    blocks_name = MODELS[kind][2]
-
-    def pipeline(model, me):
-        stages, stubs = user_stages(model, blocks_name, [f"{blocks_name}.2"])
-        pipe = split_model(model, me, "1f1b", 1, 4, stages, stubs)
-        for part in pipe.parts:
-            parallelize(part, me, ParallelConfig())
-        pipe.build_schedule(cross_entropy_sum)
-        return pipe
-
-    return run_parity(me, build(kind), pipeline, tiny_batches(VOCAB, steps=3, batch=8, seq=16), max_norm=0.5)
-
-
-@pytest.mark.parametrize("kind", MODELS)
-def test_pp2_by_split_points_matches_one_process(pools, kind):
-    assert_parity(pools.run(2, _pp, kind), 1e-5)
-
-
-def test_user_stages_of_a_hugging_face_llama():
-    stages, stubs = user_stages(build("llama")(), "model.layers", ["model.layers.1", "model.layers.3"])
-    assert stages == [["model.embed_tokens", "model.layers.0"], ["model.layers.1", "model.layers.2"],
-                      ["model.layers.3", "model.norm", "lm_head"]]
-    stages, stubs = user_stages(build("gpt2")(), "transformer.h", ["transformer.h.2"])
-    assert stages[0][:3] == ["transformer.wte", "transformer.wpe", "transformer.drop"]
-    assert stubs["transformer.wpe"].__name__ == "Zero" and stubs["transformer.wte"].__name__ == "PassThrough"
-    with pytest.raises(ValueError, match="not blocks of model.layers"):
-        user_stages(build("llama")(), "model.layers", ["model.layers.9"])
