@@ -312,8 +312,22 @@ def parse_ops(text: str) -> tuple[str, ...]:
     return ops
 
 
-def main():
-    global DEV, SMOKE, IMPL
+class Rows:
+    """The result tables: per (op, shape, direction) GB/s of each implementation,
+    by GPU time and by do_bench."""
+
+    def __init__(self):
+        self.gpu, self.do_bench = [], []
+
+    def record(self, op, shape, gpu, dob):
+        dirs = ("fwd", "bwd", "fwd+bwd")[:len(next(iter(gpu.values())))]
+        for i, d in enumerate(dirs):
+            self.gpu.append((op, shape, d, {k: v[i] for k, v in gpu.items()}))
+            self.do_bench.append((op, shape, d, {k: v[i] for k, v in dob.items()}))
+        print(*self.gpu[-len(dirs):], flush=True)
+
+
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", action="store_true", help="also time kernel configs")
@@ -325,7 +339,122 @@ def main():
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes on CPU tensors with wall-clock medians and torch.compile's aot_eager "
                          "backend: checks that the script runs, measures nothing")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def versions() -> str:
+    vers = f"torch {torch.__version__}, triton {triton.__version__}"
+    try:
+        import importlib.metadata as md
+        vers += f", liger-kernel {md.version('liger-kernel')}"
+    except Exception:  # noqa: BLE001 - not installed: its columns are skipped
+        vers += ", no liger-kernel"
+    return vers
+
+
+def copy_bandwidth() -> tuple[float, float, int]:
+    """(GB/s by GPU time, GB/s by do_bench, elements) of a bf16 copy: what each op is measured against."""
+    numel = 2 ** 29 if DEV == "cuda" else 2 ** 20     # 1 GiB of bf16 on the GPU
+    src = torch.randn(numel, device=DEV, dtype=DT)
+    dst = torch.empty_like(src)
+    return gbps(4 * numel, gpu_ms(lambda: dst.copy_(src))), gbps(4 * numel, bench_ms(lambda: dst.copy_(src))), numel
+
+
+def bench_layer_norm(m: int, n: int, args, compile_kw: dict, rows: Rows, liger_ln) -> None:
+    x = torch.randn(m, n, device=DEV, dtype=DT)
+    w = (1 + 0.1 * torch.randn(n, device=DEV)).to(DT)
+    b = (0.1 * torch.randn(n, device=DEV)).to(DT)
+    dy = torch.randn(m, n, device=DEV, dtype=DT)
+    nf, nb = 2 * x.numel() * x.element_size(), 3 * x.numel() * x.element_size()
+    cp = torch.empty_like(x)
+    print(f"copy of {m}x{n} bf16: {gbps(nf, gpu_ms(lambda: cp.copy_(x))):.0f} GB/s")
+    cp = None
+    err = check(lambda x, w, b: layer_norm(x, w, b, EPS, impl=IMPL),
+                lambda x, w, b: F.layer_norm(x, (n,), w, b, EPS), (x, w, b), dy)
+    print(f"LayerNorm {m}x{n}: max rel err of y, dx, dw, db vs fp64 {err:.1e}")
+    if args.sweep:
+        sweep_ln(x, w, b, dy, nf, nb)
+
+    def eager(x, w, b):
+        return F.layer_norm(x, (n,), w, b, EPS)
+    impls = {"meshtron": lambda x, w, b: layer_norm(x, w, b, EPS, impl=IMPL),
+             "eager": eager,
+             "compile": torch.compile(eager, **compile_kw)}
+    if liger_ln is not None:
+        impls["liger"] = lambda x, w, b: liger_ln.apply(x, w, b, EPS)
+    rows.record("LayerNorm", f"{m}x{n}", *measure(impls, (x, w, b), dy, nf, nb))
+
+
+def bench_bias_gelu(m: int, args, compile_kw: dict, rows: Rows) -> None:
+    n = 16384
+    x = torch.randn(m, n, device=DEV, dtype=DT)
+    b = torch.randn(n, device=DEV, dtype=DT)
+    dy = torch.randn(m, n, device=DEV, dtype=DT)
+    nf, nb = 2 * x.numel() * x.element_size(), 3 * x.numel() * x.element_size()
+    err = check(lambda x, b: bias_gelu(x, b, impl=IMPL), lambda x, b: F.gelu(x + b, approximate="tanh"),
+                (x, b), dy)
+    print(f"bias-GeLU {m}x{n}: max rel err of y, dx, db vs fp64 {err:.1e}")
+    if args.sweep:
+        sweep_bg(x, b, dy, nf, nb)
+
+    def eager_bg(x, b):
+        return F.gelu(x + b, approximate="tanh")
+    impls = {"meshtron": lambda x, b: bias_gelu(x, b, impl=IMPL), "eager": eager_bg,
+             "compile": torch.compile(eager_bg, **compile_kw)}
+    rows.record("bias-GeLU", f"{m}x{n}", *measure(impls, (x, b), dy, nf, nb))
+
+
+def bench_rms_norm(ml: int, h: int, model: str, args, compile_kw: dict, rows: Rows, liger_rms) -> None:
+    n_check = min(ml, 4096)   # the fp64 reference on a slice of the rows: the 8B shapes would need ~40 GB
+    x = torch.randn(ml, h, device=DEV, dtype=DT)
+    w = (1 + 0.1 * torch.randn(h, device=DEV)).to(DT)
+    dy = torch.randn(ml, h, device=DEV, dtype=DT)
+    nf, nb = 2 * x.numel() * x.element_size(), 3 * x.numel() * x.element_size()
+    err = check(lambda x, w: rms_norm(x, w, RMS_EPS, impl=IMPL),
+                lambda x, w: F.rms_norm(x, (h,), w, RMS_EPS), (x[:n_check], w), dy[:n_check])
+    print(f"RMSNorm {ml}x{h} (Llama-{model}): max rel err of y, dx, dw vs fp64 {err:.1e} "
+          f"(first {n_check} rows)")
+    if args.sweep:
+        sweep_rms(x, w, dy, nf, nb)
+
+    def eager_rms(x, w):
+        return F.rms_norm(x, (h,), w, RMS_EPS)
+    impls = {"meshtron": lambda x, w: rms_norm(x, w, RMS_EPS, impl=IMPL), "eager": eager_rms,
+             "compile": torch.compile(eager_rms, **compile_kw)}
+    if liger_rms is not None:   # its defaults: Llama casting, dx written into dy
+        impls["liger"] = lambda x, w: liger_rms.apply(x, w, RMS_EPS)
+    else:
+        print(f"RMSNorm {ml}x{h}: Liger column skipped (liger-kernel not installed)")
+    rows.record("RMSNorm", f"{ml}x{h} ({model})", *measure3(impls, (x, w), dy, nf, nb))
+
+
+def bench_swiglu(ml: int, f: int, model: str, args, compile_kw: dict, rows: Rows, liger_sw) -> None:
+    n_check = min(ml, 4096)
+    g = torch.randn(ml, f, device=DEV, dtype=DT)
+    u = torch.randn(ml, f, device=DEV, dtype=DT)
+    dy = torch.randn(ml, f, device=DEV, dtype=DT)
+    nf, nb = 3 * g.numel() * g.element_size(), 5 * g.numel() * g.element_size()
+    err = check(lambda g, u: swiglu(g, u, impl=IMPL), lambda g, u: F.silu(g) * u, (g[:n_check], u[:n_check]),
+                dy[:n_check])
+    print(f"SwiGLU {ml}x{f} (Llama-{model}): max rel err of y, dgate, dup vs fp64 {err:.1e} "
+          f"(first {n_check} rows)")
+    if args.sweep:
+        sweep_sw(g, u, dy, nf, nb)
+
+    def eager_sw(g, u):
+        return F.silu(g) * u
+    impls = {"meshtron": lambda g, u: swiglu(g, u, impl=IMPL), "eager": eager_sw,
+             "compile": torch.compile(eager_sw, **compile_kw)}
+    if liger_sw is not None:   # its backward writes dgate, dup into the saved gate, up
+        impls["liger"] = lambda g, u: liger_sw.apply(g, u)
+    else:
+        print(f"SwiGLU {ml}x{f}: Liger column skipped (liger-kernel not installed)")
+    rows.record("SwiGLU", f"{ml}x{f} ({model})", *measure3(impls, (g, u), dy, nf, nb))
+
+
+def main():
+    global DEV, SMOKE, IMPL
+    args = parse_args()
     compile_kw = {"dynamic": False}
     if args.smoke:
         SMOKE, DEV = True, "cpu"
@@ -335,131 +464,29 @@ def main():
             IMPL = "triton"     # meshtron's kernels in the interpreter (slow, but they run)
     torch.manual_seed(0)
     dev = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke run)"
-    vers = f"torch {torch.__version__}, triton {triton.__version__}"
-    try:
-        import importlib.metadata as md
-        vers += f", liger-kernel {md.version('liger-kernel')}"
-    except Exception:  # noqa: BLE001 - not installed: its columns are skipped
-        vers += ", no liger-kernel"
+    vers = versions()
     print(f"device: {dev}; {vers}" + ("; meshtron's kernels in the Triton interpreter" if IMPL == "triton" else ""))
-    numel = 2 ** 29 if DEV == "cuda" else 2 ** 20     # 1 GiB of bf16 on the GPU
-    src = torch.randn(numel, device=DEV, dtype=DT)
-    dst = torch.empty_like(src)
-    copy = gbps(4 * numel, gpu_ms(lambda: dst.copy_(src)))
-    copy_db = gbps(4 * numel, bench_ms(lambda: dst.copy_(src)))
-    src = dst = None
+    copy, copy_db, numel = copy_bandwidth()
     print(f"copy bandwidth ({2 * numel / 2 ** 30:g} GiB, read + write): {copy:.0f} GB/s (do_bench: {copy_db:.0f})")
 
-    m = args.rows
-    gpu_rows, db_rows = [], []
-
-    def record(op, shape, gpu, dob):
-        dirs = ("fwd", "bwd", "fwd+bwd")[:len(next(iter(gpu.values())))]
-        for i, d in enumerate(dirs):
-            gpu_rows.append((op, shape, d, {k: v[i] for k, v in gpu.items()}))
-            db_rows.append((op, shape, d, {k: v[i] for k, v in dob.items()}))
-        print(*gpu_rows[-len(dirs):], flush=True)
-
+    rows = Rows()
     liger_ln = liger("layer_norm", "LigerLayerNormFunction") if "layer_norm" in args.only else None
     for n in (1024, 4096, 8192) if "layer_norm" in args.only else ():
-        x = torch.randn(m, n, device=DEV, dtype=DT)
-        w = (1 + 0.1 * torch.randn(n, device=DEV)).to(DT)
-        b = (0.1 * torch.randn(n, device=DEV)).to(DT)
-        dy = torch.randn(m, n, device=DEV, dtype=DT)
-        nf, nb = 2 * x.numel() * x.element_size(), 3 * x.numel() * x.element_size()
-        cp = torch.empty_like(x)
-        print(f"copy of {m}x{n} bf16: {gbps(nf, gpu_ms(lambda cp=cp, x=x: cp.copy_(x))):.0f} GB/s")
-        cp = None
-        err = check(lambda x, w, b: layer_norm(x, w, b, EPS, impl=IMPL),
-                    lambda x, w, b, n=n: F.layer_norm(x, (n,), w, b, EPS), (x, w, b), dy)
-        print(f"LayerNorm {m}x{n}: max rel err of y, dx, dw, db vs fp64 {err:.1e}")
-        if args.sweep:
-            sweep_ln(x, w, b, dy, nf, nb)
-
-        def eager(x, w, b, n=n):
-            return F.layer_norm(x, (n,), w, b, EPS)
-        impls = {"meshtron": lambda x, w, b: layer_norm(x, w, b, EPS, impl=IMPL),
-                 "eager": eager,
-                 "compile": torch.compile(eager, **compile_kw)}
-        if liger_ln is not None:
-            impls["liger"] = lambda x, w, b: liger_ln.apply(x, w, b, EPS)
-        record("LayerNorm", f"{m}x{n}", *measure(impls, (x, w, b), dy, nf, nb))
-        del x, dy
-
+        bench_layer_norm(args.rows, n, args, compile_kw, rows, liger_ln)
     if "bias_gelu" in args.only:
-        n = 16384
-        x = torch.randn(m, n, device=DEV, dtype=DT)
-        b = torch.randn(n, device=DEV, dtype=DT)
-        dy = torch.randn(m, n, device=DEV, dtype=DT)
-        nf, nb = 2 * x.numel() * x.element_size(), 3 * x.numel() * x.element_size()
-        err = check(lambda x, b: bias_gelu(x, b, impl=IMPL), lambda x, b: F.gelu(x + b, approximate="tanh"),
-                    (x, b), dy)
-        print(f"bias-GeLU {m}x{n}: max rel err of y, dx, db vs fp64 {err:.1e}")
-        if args.sweep:
-            sweep_bg(x, b, dy, nf, nb)
-
-        def eager_bg(x, b):
-            return F.gelu(x + b, approximate="tanh")
-        impls = {"meshtron": lambda x, b: bias_gelu(x, b, impl=IMPL), "eager": eager_bg,
-                 "compile": torch.compile(eager_bg, **compile_kw)}
-        record("bias-GeLU", f"{m}x{n}", *measure(impls, (x, b), dy, nf, nb))
-        del x, b, dy
-
-    # ------------------------------------------------------------------ Llama: RMSNorm, SwiGLU
-    ml = args.llama_rows
-    n_check = min(ml, 4096)   # the fp64 reference on a slice of the rows: the 8B shapes would need ~40 GB
+        bench_bias_gelu(args.rows, args, compile_kw, rows)
+    # Llama: RMSNorm, SwiGLU
     liger_rms = liger("rms_norm", "LigerRMSNormFunction") if "rms_norm" in args.only else None
     liger_sw = liger("swiglu", "LigerSiLUMulFunction") if "swiglu" in args.only else None
     for model, h, f in LLAMA:
         if "rms_norm" in args.only:
-            x = torch.randn(ml, h, device=DEV, dtype=DT)
-            w = (1 + 0.1 * torch.randn(h, device=DEV)).to(DT)
-            dy = torch.randn(ml, h, device=DEV, dtype=DT)
-            nf, nb = 2 * x.numel() * x.element_size(), 3 * x.numel() * x.element_size()
-            err = check(lambda x, w: rms_norm(x, w, RMS_EPS, impl=IMPL),
-                        lambda x, w, h=h: F.rms_norm(x, (h,), w, RMS_EPS), (x[:n_check], w), dy[:n_check])
-            print(f"RMSNorm {ml}x{h} (Llama-{model}): max rel err of y, dx, dw vs fp64 {err:.1e} "
-                  f"(first {n_check} rows)")
-            if args.sweep:
-                sweep_rms(x, w, dy, nf, nb)
-
-            def eager_rms(x, w, h=h):
-                return F.rms_norm(x, (h,), w, RMS_EPS)
-            impls = {"meshtron": lambda x, w: rms_norm(x, w, RMS_EPS, impl=IMPL), "eager": eager_rms,
-                     "compile": torch.compile(eager_rms, **compile_kw)}
-            if liger_rms is not None:   # its defaults: Llama casting, dx written into dy
-                impls["liger"] = lambda x, w: liger_rms.apply(x, w, RMS_EPS)
-            else:
-                print(f"RMSNorm {ml}x{h}: Liger column skipped (liger-kernel not installed)")
-            record("RMSNorm", f"{ml}x{h} ({model})", *measure3(impls, (x, w), dy, nf, nb))
-            del x, w, dy
-
+            bench_rms_norm(args.llama_rows, h, model, args, compile_kw, rows, liger_rms)
         if "swiglu" in args.only:
-            g = torch.randn(ml, f, device=DEV, dtype=DT)
-            u = torch.randn(ml, f, device=DEV, dtype=DT)
-            dy = torch.randn(ml, f, device=DEV, dtype=DT)
-            nf, nb = 3 * g.numel() * g.element_size(), 5 * g.numel() * g.element_size()
-            err = check(lambda g, u: swiglu(g, u, impl=IMPL), lambda g, u: F.silu(g) * u, (g[:n_check], u[:n_check]),
-                        dy[:n_check])
-            print(f"SwiGLU {ml}x{f} (Llama-{model}): max rel err of y, dgate, dup vs fp64 {err:.1e} "
-                  f"(first {n_check} rows)")
-            if args.sweep:
-                sweep_sw(g, u, dy, nf, nb)
-
-            def eager_sw(g, u):
-                return F.silu(g) * u
-            impls = {"meshtron": lambda g, u: swiglu(g, u, impl=IMPL), "eager": eager_sw,
-                     "compile": torch.compile(eager_sw, **compile_kw)}
-            if liger_sw is not None:   # its backward writes dgate, dup into the saved gate, up
-                impls["liger"] = lambda g, u: liger_sw.apply(g, u)
-            else:
-                print(f"SwiGLU {ml}x{f}: Liger column skipped (liger-kernel not installed)")
-            record("SwiGLU", f"{ml}x{f} ({model})", *measure3(impls, (g, u), dy, nf, nb))
-            del g, u, dy
+            bench_swiglu(args.llama_rows, f, model, args, compile_kw, rows, liger_sw)
 
     print(f"\ndevice: {dev}; {vers}; bf16; copy {copy:.0f} GB/s ({2 * numel / 2 ** 30:g} GiB)")
-    table(f"do_bench medians, GB/s (copy by do_bench {copy_db:.0f})", db_rows, copy_db)
-    table("GPU time (host queued ahead), GB/s", gpu_rows, copy)
+    table(f"do_bench medians, GB/s (copy by do_bench {copy_db:.0f})", rows.do_bench, copy_db)
+    table("GPU time (host queued ahead), GB/s", rows.gpu, copy)
 
 
 if __name__ == "__main__":

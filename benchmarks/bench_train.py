@@ -119,20 +119,9 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def measure(name: str, recipe_flags: list[str], args) -> dict:
-    world, flags = flags_of(name)
-    # lr 1e-4 unless the flags say otherwise: at the recipe's 1e-3 the first steps of a
-    # 1B model are chaotic and layouts' losses part within a few steps (RESULTS.md, ninth session)
-    config = Config.from_args(["--dtype", "bf16", "--lr", "1e-4", "--steps", str(args.warmup + args.rounds * args.steps
-                                                                                 + 1)]
-                              + recipe_flags + flags, models=models.PRESETS)
-    t0 = time.perf_counter()
-    trainer = Trainer(config, verbose=False)
-    build_s = time.perf_counter() - t0
-    device = trainer.device
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    batches = [trainer.loader.next() for _ in range(4)]
+def step_fn(trainer, args):
+    """trainer.step, under --sdpa's attention backend first and, with --sync-steps,
+    waiting for the GPU after each step."""
     step = trainer.step
     if args.sdpa != "default":
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -148,9 +137,15 @@ def measure(name: str, recipe_flags: list[str], args) -> dict:
 
         def step(x, y):
             out = unsynced(x, y)
-            sync(device)
+            sync(trainer.device)
             return out
-    trace = []   # (loss, grad norm) of every step, as device tensors: read after the timing
+    return step
+
+
+def timed(step, batches, args, device) -> tuple[list, float, list[float]]:
+    """(every step's (loss, grad norm) as device tensors, the warm-up's seconds, each
+    round's seconds per step): the CPU runs ahead within a round, as in training."""
+    trace = []   # read after the timing
     t0 = time.perf_counter()
     for i in range(args.warmup):
         trace.append(step(*batches[i % len(batches)]))
@@ -164,14 +159,47 @@ def measure(name: str, recipe_flags: list[str], args) -> dict:
             trace.append(step(*batches[i % len(batches)]))
         sync(device)
         rounds.append((time.perf_counter() - t0) / args.steps)
-    losses, norms = ([round(float(t[k]), 5) for t in trace] for k in (0, 1))
-    step_s = statistics.median(rounds)
+    return trace, warmup_s, rounds
+
+
+def worst_over_ranks(step_s: float, device) -> tuple[float, float, float]:
+    """(step seconds, peak GiB allocated, peak GiB reserved), the largest over ranks."""
     cuda = device.type == "cuda"
     mem = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
     reserved = torch.cuda.max_memory_reserved(device) / 2**30 if cuda else float("nan")
     worst = torch.tensor([step_s, mem, reserved], dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    step_s, mem, reserved = worst.tolist()
+    return tuple(worst.tolist())
+
+
+def bubble(result: dict, par, microbatches: int, world: int, device) -> None:
+    """The pipeline's bubble: the share of the step each rank's GPU computes nothing,
+    measured by the profile, and as the schedule predicts it."""
+    idle = torch.tensor([1 - result["profile"]["compute_busy_ms"] / result["step_ms"]], device=device)
+    idles = [torch.zeros_like(idle) for _ in range(world)]
+    dist.all_gather(idles, idle)
+    result["bubble_measured"] = [round(float(t), 4) for t in idles]
+    result["bubble_predicted"] = bubble_fraction(par.pp_schedule, par.pp, microbatches, par.pp_virtual)
+
+
+def measure(name: str, recipe_flags: list[str], args) -> dict:
+    world, flags = flags_of(name)
+    # lr 1e-4 unless the flags say otherwise: at the recipe's 1e-3 the first steps of a
+    # 1B model are chaotic and layouts' losses part within a few steps (RESULTS.md, ninth session)
+    steps = args.warmup + args.rounds * args.steps + 1
+    config = Config.from_args(["--dtype", "bf16", "--lr", "1e-4", "--steps", str(steps)] + recipe_flags + flags,
+                              models=models.PRESETS)
+    t0 = time.perf_counter()
+    trainer = Trainer(config, verbose=False)
+    build_s = time.perf_counter() - t0
+    device = trainer.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    batches = [trainer.loader.next() for _ in range(4)]
+    step = step_fn(trainer, args)
+    trace, warmup_s, rounds = timed(step, batches, args, device)
+    losses, norms = ([round(float(t[k]), 5) for t in trace] for k in (0, 1))
+    step_s, mem, reserved = worst_over_ranks(statistics.median(rounds), device)
     tokens = trainer.global_batch * config.training.seq_len
     tps_gpu = tokens / step_s / world
     peak = peak_tflops(device)
@@ -191,14 +219,9 @@ def measure(name: str, recipe_flags: list[str], args) -> dict:
     if args.profile_steps:
         result["profile"] = profile(lambda i: step(*batches[i % len(batches)]), args.profile_steps, device,
                                     os.path.join(args.out, f"profile_{name}_w{world}_r{dist.get_rank()}.txt"))
-        par = config.parallel
-        if par.pp > 1:   # the bubble: the share of the step this rank's GPU computes nothing, each rank
-            idle = torch.tensor([1 - result["profile"]["compute_busy_ms"] / result["step_ms"]], device=device)
-            idles = [torch.zeros_like(idle) for _ in range(world)]
-            dist.all_gather(idles, idle)
-            result["bubble_measured"] = [round(float(t), 4) for t in idles]
-            result["bubble_predicted"] = bubble_fraction(par.pp_schedule, par.pp, trainer.microbatches, par.pp_virtual)
-    trainer = batches = step = None    # the closures hold them too: drop every reference, then collect
+        if config.parallel.pp > 1:
+            bubble(result, config.parallel, trainer.microbatches, world, device)
+    trainer = batches = step = trace = None    # the closures hold them too: drop every reference, then collect
     gc.collect()
     torch._dynamo.reset()
     if device.type == "cuda":

@@ -41,6 +41,7 @@ refuses that pair).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import math
 
@@ -171,6 +172,240 @@ def _tied(spec_name: str, cfg, tp: int, sp: bool, loss_parallel: bool, n_stages:
             for pid, ns in names.items() if len(ns) > 1]
 
 
+@dataclasses.dataclass
+class _Tally:
+    """Calls and bytes per key: (kind, axes), or (part, kind, axes) when `by_part`."""
+    by_part: bool
+    calls: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    nbytes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    def add(self, kind: str, group: str, size: int, n: float = 1, part: str = "dp") -> None:
+        """`n` calls of `size` bytes each over `group`; none when the group, the size or n is empty."""
+        if group and size and n:
+            key = (part, kind, group) if self.by_part else (kind, group)
+            self.calls[key] += n
+            self.nbytes[key] += int(size * n)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """What every part of one rank's step reads: the layout, the sizes, the group names."""
+    spec_name: str
+    cfg: object
+    par: object
+    d: dict[str, int]           # the degrees
+    pp_rank: int
+    m: int                      # micro-batches
+    mb: int                     # micro-batch size
+    seq_len: int
+    a: int                      # bytes per element: compute dtype, reduce dtype
+    r: int
+    sp: bool
+    fsdp: bool
+    zero: int
+    shard_label: str
+    k_dense: int                # the dense parameters' FSDP shards
+    replica_label: str
+    expert_label: str
+    k_expert: int               # the expert parameters' FSDP shards
+    loss_label: str
+    n_stages: int
+    stages: list[int]           # this rank's pipeline stages
+    summaries: list[tuple]      # _stage of each
+    acc: int                    # bytes per element of the ring's dK, dV (context_parallel._acc)
+    refwd: int                  # forwards run again in backward
+    reductions_again: int       # reductions run again in backward
+
+    @property
+    def tokens(self) -> int:
+        return self.mb * self.seq_len // self.d["cp"]
+
+    @property
+    def act(self) -> int:
+        """Bytes of one micro-batch's activations [tokens, dim] on a tp rank before SP splits them."""
+        return self.tokens * self.cfg.dim * self.a
+
+
+def _step(spec, cfg, par, micro_batch: int, microbatches: int, seq_len: int, rank: int, device: str) -> _Step:
+    d = par.degrees()
+    a = _size(par.dtype)
+    n_dense = math.prod(d[x] for x in SUBMESHES["dense_dp"])
+    zero = par.zero if n_dense > 1 else 1
+    shard_label, k_dense, replica_label = _hsdp_labels(d, n_dense if zero == 0 else par.hsdp)
+    if zero == 0:
+        k_dense = 1
+    k_expert = d["dp"] * d["cp"]
+    pp, n_stages = d["pp"], d["pp"] * par.pp_virtual
+    pp_rank = coordinate(rank, d)["pp"]
+    stages = stage_ids_of(pp_rank, pp, par.pp_virtual, par.pp_schedule) if pp > 1 else [0]
+    summaries = [_stage(spec.name, cfg, d["tp"], par.sp, par.loss_parallel, n_stages, s, d["ep"], k_dense, k_expert)
+                 for s in stages]
+    # selective saves all-reduces and reduce-scatters; full recomputes the attention's, not
+    # the block's last (torch's checkpoint stops once backward has what it needs)
+    return _Step(spec.name, cfg, par, d, pp_rank, microbatches, micro_batch, seq_len, a, _size(par.reduce_dtype),
+                 sp=par.sp and d["tp"] > 1, fsdp=n_dense > 1 or par.dtype != "fp32", zero=zero,
+                 shard_label=shard_label, k_dense=k_dense, replica_label=replica_label,
+                 expert_label=_label(d, SUBMESHES["expert_dp"]), k_expert=k_expert,
+                 loss_label=_label(d, SUBMESHES["loss"]), n_stages=n_stages, stages=stages, summaries=summaries,
+                 acc=8 if device == "cpu" or a == 8 else 4,
+                 refwd={"none": 0, "full": 1, "selective": 1}[par.recompute],
+                 reductions_again=1 if par.recompute == "full" else 0)
+
+
+def _fsdp(t: _Tally, s: _Step) -> None:
+    """FSDP's gathers and reductions of each unit, and SP's Partial gradients."""
+    m, pp, zero, a, r = s.m, s.d["pp"], s.zero, s.a, s.r
+    gathers = {"root": 1 if pp > 1 or zero < 3 else m, "block": (m + 1 if pp > 1 else 2 * m) if zero == 3 else 1}
+    gathers["experts"] = gathers["block"]
+    reductions = 1 if pp > 1 or zero < 2 else m
+    accumulated = (pp > 1 or zero < 2) and m > 1 and a != r    # unsynced micro-batches accumulate in fp32
+    for units, partial, _, _ in s.summaries:
+        for (kind, numel), count in units.items():
+            expert = kind == "experts"
+            if s.fsdp:
+                k, group = (s.k_expert, s.expert_label) if expert else (s.k_dense, s.shard_label)
+                t.add("all_gather", group if k > 1 else "", numel * a, gathers[kind] * count)
+                if zero == 0 and not expert:
+                    t.add("all_reduce", s.replica_label, numel * r, reductions * count)
+                else:
+                    t.add("reduce_scatter", group if k > 1 else "", numel * k * r, reductions * count)
+                    if s.par.hsdp > 1 and not expert:
+                        t.add("all_reduce", s.replica_label, numel * r, count)
+        for numel in partial:   # under FSDP one at its reduction; else one bucket at the clipping
+            t.add("all_reduce", "tp", numel * (r if accumulated else a), reductions if s.fsdp else 0, "tp")
+    if not s.fsdp:
+        t.add("all_reduce", "tp", sum(sum(p) for _, p, _, _ in s.summaries) * a, part="tp")
+
+
+def _tp_blocks(t: _Tally, s: _Step, blocks: int) -> None:
+    """SP's all-gathers and reduce-scatters of each block, or TP's all-reduces."""
+    is_moe = getattr(s.cfg, "moe", None) is not None
+    matmuls = 1 if is_moe else 2       # an MoE block's MLP runs whole on each tp rank
+    m, act, act_shard = s.m * blocks, s.act, s.act // s.d["tp"]
+    if s.sp:
+        t.add("all_gather", "tp", act_shard, m * (2 * matmuls + s.refwd * matmuls), part="tp")
+        t.add("reduce_scatter", "tp", act, m * (2 * matmuls + s.reductions_again), part="tp")
+        if is_moe:   # its input gathered, its output split; the split's backward gathers
+            t.add("all_gather", "tp", act_shard, m * (2 + s.refwd), part="tp")
+    else:
+        t.add("all_reduce", "tp", act, m * (2 * matmuls + s.reductions_again), part="tp")
+
+
+def _cp_blocks(t: _Tally, s: _Step, blocks: int) -> None:
+    """Each block's attention over the cp ranks' keys and values: ring, all-gather or all-to-all."""
+    cfg, cp, a, m = s.cfg, s.d["cp"], s.a, s.m * blocks
+    hd, tp = cfg.dim // cfg.n_heads, s.d["tp"]
+    heads, kv_heads = cfg.n_heads // tp, getattr(cfg, "n_kv_heads", cfg.n_heads) // tp
+    kv = s.mb * kv_heads * (s.seq_len // cp) * hd
+    if s.par.cp_comm == "p2p":
+        for kind in ("send", "recv"):
+            t.add(kind, "cp", kv * a, m * 2 * (cp - 1) * (2 + s.refwd), part="cp")
+            t.add(kind, "cp", kv * s.acc, m * 2 * cp, part="cp")
+    elif s.par.cp_comm == "allgather":
+        t.add("all_gather", "cp", kv * a, m * 2 * (1 + s.refwd), part="cp")
+        t.add("reduce_scatter", "cp", kv * a * cp, m * 2, part="cp")
+    else:
+        q_kv_out = (2 * heads + 2 * kv_heads) * s.mb * (s.seq_len // cp) * hd * a
+        t.add("all_to_all", "cp", q_kv_out, m * (2 + s.refwd), part="cp")
+
+
+def _moe_blocks(t: _Tally, s: _Step, blocks: int) -> None:
+    """Each MoE block's routing sums, capacity gathers and ep all-to-alls."""
+    moe, m, refwd, tokens = s.cfg.moe, s.m * blocks, s.refwd, s.tokens
+    E, k = moe.n_experts, moe.top_k
+    t.add("all_reduce", s.loss_label, (2 * E + 1) * 4, m * (1 + refwd))
+    if moe.capacity > 0:
+        t.add("all_gather", s.loss_label, tokens * k * s.a, m * (1 + refwd))
+        t.add("all_gather", s.loss_label, tokens * k * 8, m * (1 + refwd))
+    if s.d["ep"] > 1:
+        t.add("all_to_all", "ep", 8 * E, m * (1 + refwd), part="ep")
+        t.add("all_to_all", "ep", tokens * k * s.cfg.dim * s.a, m * (4 + 2 * refwd), part="ep")
+
+
+def _tp_embedding(t: _Tally, s: _Step) -> None:
+    """The vocab-parallel embedding (and SP's split of a learned positions' table)."""
+    m, act, tp = s.m, s.act, s.d["tp"]
+    if s.sp:
+        t.add("reduce_scatter", "tp", act, m, part="tp")
+        t.add("all_gather", "tp", act // tp, m, part="tp")
+        if getattr(s.cfg, "pos_emb", None) == "learned":   # the positions' table, split by SP
+            t.add("all_gather", "tp", s.seq_len // s.d["cp"] // tp * s.cfg.dim * s.a, m, part="tp")
+    else:
+        t.add("all_reduce", "tp", act, m, part="tp")
+
+
+def _tp_head(t: _Tally, s: _Step) -> None:
+    """The head, and the loss over its vocab shards."""
+    m, act, tp = s.m, s.act, s.d["tp"]
+    if s.sp:
+        t.add("all_gather", "tp", act // tp, m, part="tp")
+        t.add("reduce_scatter", "tp", act, m, part="tp")
+    else:
+        t.add("all_reduce", "tp", act, m, part="tp")
+    if s.par.loss_parallel:
+        t.add("all_reduce", "tp", s.tokens * (8 if s.a == 8 else 4), 3 * m, part="tp")
+    else:
+        t.add("all_gather", "tp", s.tokens * s.cfg.vocab_size // tp * s.a, m, part="tp")
+
+
+def _activations(t: _Tally, s: _Step) -> None:
+    """TP, CP and EP traffic of each of this rank's stages, per micro-batch."""
+    tp, moe = s.d["tp"], getattr(s.cfg, "moe", None)
+    for stage, (_, _, _, n_blocks) in zip(s.stages, s.summaries):
+        if tp > 1:
+            _tp_blocks(t, s, n_blocks)
+        if s.d["cp"] > 1:
+            _cp_blocks(t, s, n_blocks)
+        if moe is not None:
+            _moe_blocks(t, s, n_blocks)
+        if tp > 1 and stage == 0:
+            _tp_embedding(t, s)
+        if tp > 1 and stage == s.n_stages - 1:
+            _tp_head(t, s)
+
+
+def _pipeline(t: _Tally, s: _Step) -> None:
+    """Activations and their gradients between stages on other ranks, tied weights'
+    gradients, and the pipeline's scalars."""
+    d, par, m = s.d, s.par, s.m
+    pp, sp_degree = d["pp"], d["tp"] if s.sp else 1
+    hop = s.mb * (s.seq_len // d["cp"] // sp_degree) * s.cfg.dim * s.a
+    owner = functools.partial(stage_owner, pp=pp, virtual=par.pp_virtual, schedule=par.pp_schedule)
+    for stage in s.stages:
+        for peer in (stage - 1, stage + 1):
+            if 0 <= peer < s.n_stages and owner(peer) != s.pp_rank:
+                t.add("send", "pp", hop, m, part="pp")
+                t.add("recv", "pp", hop, m, part="pp")
+    params, _ = _layout_of(s.spec_name, s.cfg, d["tp"], par.sp, par.loss_parallel)
+    for pid, held in _tied(s.spec_name, s.cfg, d["tp"], par.sp, par.loss_parallel, s.n_stages):
+        holders = {owner(st) for st in held}   # a tied weight's copies on two pp ranks swap gradients
+        if len(holders) > 1 and s.pp_rank in holders:
+            shape = params[pid][0]
+            numel = _padded(shape, s.k_dense) if s.fsdp else math.prod(shape)
+            t.add("send", "pp", numel * 4, part="pp")
+            t.add("recv", "pp", numel * 4, part="pp")
+    t.add("all_reduce", "pp", 4, 2, "pp")    # the loss' sum over stages, the squared norm's
+    if getattr(s.cfg, "moe", None) is not None:
+        t.add("all_reduce", "pp", 3 * 4, part="pp")    # the MoE statistics: sums, then the worst load
+        t.add("all_reduce", "pp", 4, part="pp")
+
+
+def _scalars(t: _Tally, s: _Step) -> None:
+    """The loss' token count and sum; the gradient norm's all-reduce per (mesh, sharded axis) group."""
+    t.add("all_reduce", s.loss_label, 4, 2)
+    groups = set()
+    for expert, tp_dtensor, tp_split in set().union(*(kinds for _, _, kinds, _ in s.summaries)):
+        if expert:
+            groups.add(("experts", ((s.expert_label,) if s.fsdp and s.k_expert > 1 else ())
+                        + (("ep",) if s.d["ep"] > 1 else ())))
+        else:
+            sharded = ((s.shard_label,) if s.fsdp and s.k_dense > 1 else ()) + (("tp",) if tp_split else ())
+            groups.add(("dense", tp_dtensor, sharded))
+    for g in groups:
+        for axis in g[-1]:
+            t.add("all_reduce", axis, 4)
+
+
 def step_collectives(spec, cfg, par, micro_batch: int, microbatches: int, seq_len: int, rank: int = 0,
                      device: str = "cuda", by_part: bool = False) -> tuple[dict[Key, int], dict[Key, int]]:
     """(calls, bytes) per (kind, mesh axes) that `rank` issues in one training step
@@ -178,165 +413,13 @@ def step_collectives(spec, cfg, par, micro_batch: int, microbatches: int, seq_le
     dtype of the context-parallel ring's gradients). `by_part`: keys (part, kind,
     axes), part one of "dp" (FSDP and the scalars), "tp", "cp", "ep", "pp", for the
     step time (an all-gather over cp may be FSDP's or attention's)."""
-    d, m, mb = par.degrees(), microbatches, micro_batch
-    c = coordinate(rank, d)
-    calls, nbytes = collections.Counter(), collections.Counter()
-
-    def add(kind: str, group: str, size: int, n: float = 1, part: str = "dp") -> None:
-        if group and size and n:
-            key = (part, kind, group) if by_part else (kind, group)
-            calls[key] += n
-            nbytes[key] += int(size * n)
-
-    a, r = _size(par.dtype), _size(par.reduce_dtype)
-    tp, cp, pp, ep = d["tp"], d["cp"], d["pp"], d["ep"]
-    sp = par.sp and tp > 1
-    dense = SUBMESHES["dense_dp"]
-    n_dense = math.prod(d[x] for x in dense)
-    fsdp = n_dense > 1 or par.dtype != "fp32"
-    zero = par.zero if n_dense > 1 else 1
-    shard_label, k_dense, replica_label = _hsdp_labels(d, n_dense if zero == 0 else par.hsdp)
-    if zero == 0:
-        k_dense = 1
-    expert_label, k_expert = _label(d, SUBMESHES["expert_dp"]), d["dp"] * d["cp"]
-    loss_label = _label(d, SUBMESHES["loss"])
-    params, names = _layout_of(spec.name, cfg, tp, par.sp, par.loss_parallel)
-    n_stages = pp * par.pp_virtual
-    stages = stage_ids_of(c["pp"], pp, par.pp_virtual, par.pp_schedule) if pp > 1 else [0]
-    moe = getattr(cfg, "moe", None)
-
-    summaries = [_stage(spec.name, cfg, tp, par.sp, par.loss_parallel, n_stages, s, ep, k_dense, k_expert)
-                 for s in stages]
-
-    # ---- FSDP, and SP's Partial gradients ------------------------------------------------
-    gathers = {"root": 1 if pp > 1 or zero < 3 else m, "block": (m + 1 if pp > 1 else 2 * m) if zero == 3 else 1}
-    gathers["experts"] = gathers["block"]
-    reductions = 1 if pp > 1 or zero < 2 else m
-    accumulated = (pp > 1 or zero < 2) and m > 1 and a != r    # unsynced micro-batches accumulate in fp32
-    for units, partial, _, _ in summaries:
-        for (kind, numel), count in units.items():
-            expert = kind == "experts"
-            if fsdp:
-                k, group = (k_expert, expert_label) if expert else (k_dense, shard_label)
-                add("all_gather", group if k > 1 else "", numel * a, gathers[kind] * count)
-                if zero == 0 and not expert:
-                    add("all_reduce", replica_label, numel * r, reductions * count)
-                else:
-                    add("reduce_scatter", group if k > 1 else "", numel * k * r, reductions * count)
-                    if par.hsdp > 1 and not expert:
-                        add("all_reduce", replica_label, numel * r, count)
-        for numel in partial:   # under FSDP one at its reduction; else one bucket at the clipping
-            add("all_reduce", "tp", numel * (r if accumulated else a), reductions if fsdp else 0, "tp")
-    if not fsdp:
-        add("all_reduce", "tp", sum(sum(p) for _, p, _, _ in summaries) * a, part="tp")
-
-    # ---- activations: TP, CP, EP per micro-batch ---------------------------------------------
-    tokens = mb * seq_len // cp
-    h = cfg.dim
-    act, act_shard = tokens * h * a, tokens * h * a // tp
-    hd = cfg.dim // cfg.n_heads
-    heads, kv_heads = cfg.n_heads // tp, getattr(cfg, "n_kv_heads", cfg.n_heads) // tp
-    kv = mb * kv_heads * (seq_len // cp) * hd
-    acc = 8 if device == "cpu" or a == 8 else 4        # context_parallel._acc
-    refwd = {"none": 0, "full": 1, "selective": 1}[par.recompute]   # forwards run again in backward
-    # selective saves all-reduces and reduce-scatters; full recomputes the attention's, not
-    # the block's last (torch's checkpoint stops once backward has what it needs)
-    reductions_again = 1 if par.recompute == "full" else 0
-
-    def tp_block(is_moe: bool, blocks: int) -> None:
-        matmuls = 1 if is_moe else 2       # an MoE block's MLP runs whole on each tp rank
-        m = microbatches * blocks
-        if sp:
-            add("all_gather", "tp", act_shard, m * (2 * matmuls + refwd * matmuls), part="tp")
-            add("reduce_scatter", "tp", act, m * (2 * matmuls + reductions_again), part="tp")
-            if is_moe:   # its input gathered, its output split; the split's backward gathers
-                add("all_gather", "tp", act_shard, m * (2 + refwd), part="tp")
-        else:
-            add("all_reduce", "tp", act, m * (2 * matmuls + reductions_again), part="tp")
-
-    def cp_block(blocks: int) -> None:
-        m = microbatches * blocks
-        if par.cp_comm == "p2p":
-            for kind in ("send", "recv"):
-                add(kind, "cp", kv * a, m * 2 * (cp - 1) * (2 + refwd), part="cp")
-                add(kind, "cp", kv * acc, m * 2 * cp, part="cp")
-        elif par.cp_comm == "allgather":
-            add("all_gather", "cp", kv * a, m * 2 * (1 + refwd), part="cp")
-            add("reduce_scatter", "cp", kv * a * cp, m * 2, part="cp")
-        else:
-            q_kv_out = (2 * heads + 2 * kv_heads) * mb * (seq_len // cp) * hd * a
-            add("all_to_all", "cp", q_kv_out, m * (2 + refwd), part="cp")
-
-    def moe_block(blocks: int) -> None:
-        m = microbatches * blocks
-        E, k = moe.n_experts, moe.top_k
-        add("all_reduce", loss_label, (2 * E + 1) * 4, m * (1 + refwd))
-        if moe.capacity > 0:
-            add("all_gather", loss_label, tokens * k * a, m * (1 + refwd))
-            add("all_gather", loss_label, tokens * k * 8, m * (1 + refwd))
-        if ep > 1:
-            add("all_to_all", "ep", 8 * E, m * (1 + refwd), part="ep")
-            add("all_to_all", "ep", tokens * k * h * a, m * (4 + 2 * refwd), part="ep")
-
-    for s, (_, _, _, n_blocks) in zip(stages, summaries):
-        if tp > 1:
-            tp_block(moe is not None, n_blocks)
-        if cp > 1:
-            cp_block(n_blocks)
-        if moe is not None:
-            moe_block(n_blocks)
-        if tp > 1 and s == 0:   # the vocab-parallel embedding
-            if sp:
-                add("reduce_scatter", "tp", act, m, part="tp")
-                add("all_gather", "tp", act_shard, m, part="tp")
-                if getattr(cfg, "pos_emb", None) == "learned":   # the positions' table, split by SP
-                    add("all_gather", "tp", seq_len // cp // tp * h * a, m, part="tp")
-            else:
-                add("all_reduce", "tp", act, m, part="tp")
-        if tp > 1 and s == n_stages - 1:   # the head, and the loss over its vocab shards
-            if sp:
-                add("all_gather", "tp", act_shard, m, part="tp")
-                add("reduce_scatter", "tp", act, m, part="tp")
-            else:
-                add("all_reduce", "tp", act, m, part="tp")
-            if par.loss_parallel:
-                add("all_reduce", "tp", tokens * (8 if a == 8 else 4), 3 * m, part="tp")
-            else:
-                add("all_gather", "tp", tokens * cfg.vocab_size // tp * a, m, part="tp")
-
-    # ---- the pipeline ---------------------------------------------------------------------
-    if pp > 1:
-        hop = mb * (seq_len // cp // (tp if sp else 1)) * h * a
-        owner = functools.partial(stage_owner, pp=pp, virtual=par.pp_virtual, schedule=par.pp_schedule)
-        for s in stages:
-            for peer in (s - 1, s + 1):
-                if 0 <= peer < n_stages and owner(peer) != c["pp"]:
-                    add("send", "pp", hop, m, part="pp")
-                    add("recv", "pp", hop, m, part="pp")
-        for pid, held in _tied(spec.name, cfg, tp, par.sp, par.loss_parallel, n_stages):
-            holders = {owner(st) for st in held}   # a tied weight's copies on two pp ranks swap gradients
-            if len(holders) > 1 and c["pp"] in holders:
-                numel = _padded(params[pid][0], k_dense) if fsdp else math.prod(params[pid][0])
-                add("send", "pp", numel * 4, part="pp")
-                add("recv", "pp", numel * 4, part="pp")
-        add("all_reduce", "pp", 4, 2, "pp")    # the loss' sum over stages, the squared norm's
-        if moe is not None:
-            add("all_reduce", "pp", 3 * 4, part="pp")    # the MoE statistics: sums, then the worst load
-            add("all_reduce", "pp", 4, part="pp")
-
-    # ---- scalars: the loss, the gradient norm ---------------------------------------------
-    add("all_reduce", loss_label, 4, 2)
-    groups = set()
-    for expert, tp_dtensor, tp_split in set().union(*(kinds for _, _, kinds, _ in summaries)):
-        if expert:
-            groups.add(("experts", ((expert_label,) if fsdp and k_expert > 1 else ()) + (("ep",) if ep > 1 else ())))
-        else:
-            sharded = ((shard_label,) if fsdp and k_dense > 1 else ()) + (("tp",) if tp_split else ())
-            groups.add(("dense", tp_dtensor, sharded))
-    for g in groups:
-        for axis in g[-1]:
-            add("all_reduce", axis, 4)
-    return dict(calls), dict(nbytes)
+    s, t = _step(spec, cfg, par, micro_batch, microbatches, seq_len, rank, device), _Tally(by_part)
+    _fsdp(t, s)
+    _activations(t, s)
+    if s.d["pp"] > 1:
+        _pipeline(t, s)
+    _scalars(t, s)
+    return dict(t.calls), dict(t.nbytes)
 
 
 def group_size(d: dict[str, int], label: str, hsdp: int = 1) -> int:

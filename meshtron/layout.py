@@ -14,6 +14,7 @@ from meshtron import models
 from meshtron.config import Config, ConfigError
 from meshtron.distributed.data_parallel import DTYPES
 from meshtron.distributed.mesh import degree, resolve_degrees
+from meshtron.distributed.parallelize import dp_mesh_of
 from meshtron.distributed.pipeline_parallel import Pipeline, check_pipeline, split_model, stage_io
 
 
@@ -67,8 +68,9 @@ def build_model(spec, mc, mesh: DeviceMesh, par, microbatches: int) -> tuple[lis
         stages = spec.pipeline_split(mc, degree(mesh, "pp") * par.pp_virtual)
         pipeline = split_model(model, mesh, par.pp_schedule, par.pp_virtual, microbatches, stages)
     parts = pipeline.parts if pipeline is not None else [model]
+    dp_mesh = dp_mesh_of(mesh, par)   # one for every part: an HSDP mesh is new process groups
     for m in parts:
-        spec.parallelize(m, mesh, par)
+        spec.parallelize(m, mesh, par, dp_mesh=dp_mesh)
     return parts, pipeline
 
 

@@ -73,6 +73,80 @@ class ParityReport:
 NOISE_MARGIN = 10
 
 
+@dataclass
+class _Reference:
+    """The reference's step: its loss, its gradients before clipping, their floor
+    (below), and its clipped norm; the other sides are measured against them."""
+    loss: float
+    grads: dict
+    floor: float
+    norm: float
+
+
+def _in_reference_order(t: torch.Tensor, count: int, micro: int) -> torch.Tensor:
+    """The global batch in micro-batches whose i-th holds every rank's i-th (what an
+    MoE's routing statistics sum over)."""
+    return t.view(count, micro, -1, t.shape[-1]).transpose(0, 1).reshape(t.shape)
+
+
+def _clip_and_step(params, opt, max_norm, *norm_args) -> torch.Tensor:
+    norm = clip_grad_norm_(params, max_norm, *norm_args)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return norm
+
+
+def _reference_step(ref, opt, x, y, kwargs: dict, max_norm) -> _Reference:
+    loss = forward_backward([ref], x, y, None, **kwargs)
+    grads = {n: p.grad.detach().float().clone() for n, p in ref.named_parameters()}
+    # a gradient that is zero in exact arithmetic (a key bias: softmax ignores a
+    # per-row shift) is pure rounding noise, and noise has no relative error:
+    # measure such tensors against 1e-3 of the whole gradient's norm instead
+    floor = 1e-3 * float(torch.stack([g.norm() for g in grads.values()]).norm())
+    return _Reference(float(loss), grads, floor, float(_clip_and_step(ref.parameters(), opt, max_norm)))
+
+
+def _noise_step(noise: ParityReport, solo, opt, x, y, kwargs: dict, max_norm, ref: _Reference, canonical) -> None:
+    """One plain fp32 process's step against the float64 reference's."""
+    loss = forward_backward([solo], x, y, None, **kwargs)
+    noise.loss = max(noise.loss, abs(float(loss) - ref.loss) / abs(ref.loss))
+    noise.grads(solo.named_parameters(), ref.grads, canonical, ref.floor)
+    norm = _clip_and_step(solo.parameters(), opt, max_norm)
+    noise.grad_norm = max(noise.grad_norm, abs(float(norm) - ref.norm) / ref.norm)
+
+
+def _layout_step(report: ParityReport, parts, opt, mesh, pipeline, x, y, micro_batches: int, kwargs: dict, max_norm,
+                 ref: _Reference, canonical) -> None:
+    """The layout's step on this rank's slice of the batch, in micro-batches."""
+    loss = forward_backward(parts, x, y, mesh, microbatches=micro_batches, pipeline=pipeline, **kwargs)
+    report.losses.append((ref.loss, float(loss)))
+    report.loss = max(report.loss, abs(float(loss) - ref.loss) / abs(ref.loss))
+    report.grads((np for m in parts for np in m.named_parameters()), ref.grads, canonical, ref.floor)
+    norm = _clip_and_step([p for m in parts for p in m.parameters()], opt, max_norm, mesh,
+                          pipeline.norm_parameters() if pipeline else None)
+    report.grad_norm = max(report.grad_norm, abs(float(norm) - ref.norm) / ref.norm)
+
+
+def _moe_step(report: ParityReport, ref, parts, mesh, pipeline) -> None:
+    """The MoE statistics of the step (the aux loss), reset for the next."""
+    ref_stats, stats = end_step(moe_blocks([ref])), end_step(moe_blocks(parts))
+    if pipeline is not None and degree(mesh, "pp") > 1:
+        torch.distributed.all_reduce(stats, group=mesh["pp"].get_group())
+    report.aux = max(report.aux, abs(float(stats[0] - ref_stats[0])) / float(ref_stats[0]))
+
+
+def _final_state(report: ParityReport, ref, parts, solo, canonical) -> None:
+    """The updated weights and the expert biases after the last step."""
+    ref_buffers = dict(ref.named_buffers())
+    for n, b in (nb for m in parts for nb in m.named_buffers()):
+        if n.endswith("expert_bias"):
+            report.buffer = max(report.buffer, rel_err(b.float(), ref_buffers[clean_name(n)].float()))
+    ref_params = dict(ref.named_parameters())
+    report.params((np for m in parts for np in m.named_parameters()), ref_params, canonical)
+    if solo is not None:
+        report.noise.params(solo.named_parameters(), ref_params, canonical)
+
+
 def run_parity(mesh, build_model, parallelize, batches, *, micro_batches: int = 1, lr: float = 1e-3,
                max_norm: float | None = None, fb_kwargs=None, ref_fb_kwargs=None, noise: bool = False) -> ParityReport:
     """batches: list of global (x, y) batches, one per optimizer step.
@@ -83,8 +157,8 @@ def run_parity(mesh, build_model, parallelize, batches, *, micro_batches: int = 
     noise=True: the reference runs in float64, and one more plain fp32 process runs
     beside it; its errors against float64 (report.noise) are what fp32 rounding alone
     costs on these steps, and assert_parity allows the layout NOISE_MARGIN times that."""
-    report = ParityReport()
-
+    report = ParityReport(noise=ParityReport() if noise else None)
+    fb_kwargs, ref_fb_kwargs = fb_kwargs or {}, ref_fb_kwargs or {}
     # AdamW's step is lr * g / (|g| + eps) per entry (first step): for entries with
     # |g| << eps it is linear in g, for |g| >> eps it is sign(g). With the usual
     # eps=1e-8, entries of ~1e-7 (rounding-noise-sized next to the tensor's norm,
@@ -97,8 +171,6 @@ def run_parity(mesh, build_model, parallelize, batches, *, micro_batches: int = 
     ref_opt = build_optimizer(ref, lr, eps=1e-4)
     solo = build_model() if noise else None
     solo_opt = build_optimizer(solo, lr, eps=1e-4) if noise else None
-    if noise:
-        report.noise = ParityReport()
     par = parallelize(build_model(), mesh)
     pipeline = par if isinstance(par, Pipeline) else None
     parts = pipeline.parts if pipeline else [par]
@@ -110,55 +182,16 @@ def run_parity(mesh, build_model, parallelize, batches, *, micro_batches: int = 
     for n, p in ref.named_parameters(remove_duplicate=False):
         canonical[n] = seen.setdefault(id(p), n)
 
-    ref_micro = (ref_fb_kwargs or {}).get("microbatches", 1)
     for x, y in batches:
-        # reference: the whole global batch, one process; in micro-batches, its i-th
-        # holds every rank's i-th (what an MoE's routing statistics sum over)
-        xr, yr = (t.view(count, ref_micro, -1, t.shape[-1]).transpose(0, 1).reshape(t.shape) for t in (x, y))
-        ref_loss = forward_backward([ref], xr, yr, None, **(ref_fb_kwargs or {}))
-        ref_grads = {n: p.grad.detach().float().clone() for n, p in ref.named_parameters()}
-        # a gradient that is zero in exact arithmetic (a key bias: softmax ignores a
-        # per-row shift) is pure rounding noise, and noise has no relative error:
-        # measure such tensors against 1e-3 of the whole gradient's norm instead
-        floor = 1e-3 * float(torch.stack([g.norm() for g in ref_grads.values()]).norm())
-        ref_norm = clip_grad_norm_(ref.parameters(), max_norm)
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
+        xr, yr = (_in_reference_order(t, count, ref_fb_kwargs.get("microbatches", 1)) for t in (x, y))
+        step = _reference_step(ref, ref_opt, xr, yr, ref_fb_kwargs, max_norm)
         if noise:
-            solo_loss = forward_backward([solo], xr, yr, None, **(ref_fb_kwargs or {}))
-            report.noise.loss = max(report.noise.loss, abs(float(solo_loss) - float(ref_loss)) / abs(float(ref_loss)))
-            report.noise.grads(solo.named_parameters(), ref_grads, canonical, floor)
-            solo_norm = clip_grad_norm_(solo.parameters(), max_norm)
-            report.noise.grad_norm = max(report.noise.grad_norm, abs(float(solo_norm - ref_norm)) / float(ref_norm))
-            solo_opt.step()
-            solo_opt.zero_grad(set_to_none=True)
-
-        # parallel: this rank's slice of the batch, in micro-batches
-        xs, ys = x.chunk(count)[index], y.chunk(count)[index]
-        loss = forward_backward(parts, xs, ys, mesh, microbatches=micro_batches, pipeline=pipeline,
-                                **(fb_kwargs or {}))
-        report.losses.append((float(ref_loss), float(loss)))
-        report.loss = max(report.loss, abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)))
-        report.grads((np for m in parts for np in m.named_parameters()), ref_grads, canonical, floor)
-        norm = clip_grad_norm_([p for m in parts for p in m.parameters()], max_norm, mesh,
-                               pipeline.norm_parameters() if pipeline else None)
-        report.grad_norm = max(report.grad_norm, abs(float(norm) - float(ref_norm)) / float(ref_norm))
-        par_opt.step()
-        par_opt.zero_grad(set_to_none=True)
+            _noise_step(report.noise, solo, solo_opt, xr, yr, ref_fb_kwargs, max_norm, step, canonical)
+        _layout_step(report, parts, par_opt, mesh, pipeline, x.chunk(count)[index], y.chunk(count)[index],
+                     micro_batches, fb_kwargs, max_norm, step, canonical)
         if moe_blocks([ref]):
-            ref_stats, stats = end_step(moe_blocks([ref])), end_step(moe_blocks(parts))
-            if pipeline is not None and degree(mesh, "pp") > 1:
-                torch.distributed.all_reduce(stats, group=mesh["pp"].get_group())
-            report.aux = max(report.aux, abs(float(stats[0] - ref_stats[0])) / float(ref_stats[0]))
-
-    ref_buffers = dict(ref.named_buffers())
-    for n, b in (nb for m in parts for nb in m.named_buffers()):
-        if n.endswith("expert_bias"):
-            report.buffer = max(report.buffer, rel_err(b.float(), ref_buffers[clean_name(n)].float()))
-    ref_params = dict(ref.named_parameters())
-    report.params((np for m in parts for np in m.named_parameters()), ref_params, canonical)
-    if noise:
-        report.noise.params(solo.named_parameters(), ref_params, canonical)
+            _moe_step(report, ref, parts, mesh, pipeline)
+    _final_state(report, ref, parts, solo, canonical)
     return report
 
 

@@ -1,4 +1,4 @@
-"""The package's shape: distributed/ knows no model and no trainer, nothing
+"""The package's shape: distributed/ imports nothing of meshtron outside it, nothing
 imports in a cycle, model files import no torch.distributed, and the code
 passes the project's ruff configuration."""
 import ast
@@ -46,11 +46,14 @@ def graph():
     return {name: imports(name, path, known) for name, path in known.items()}
 
 
-def test_distributed_imports_no_model_and_no_trainer():
-    for name, deps in graph().items():
-        if name.startswith("meshtron.distributed"):
-            bad = {d for d in deps if d.startswith(("meshtron.models", "meshtron.trainer"))}
-            assert not bad, f"{name} imports {sorted(bad)}"
+def test_distributed_imports_only_distributed():
+    # model-agnostic parallelism: no config tree, no model, no trainer, nothing of the
+    # package above it (what it needs of a config comes in as arguments or a Protocol)
+    found = {name: deps for name, deps in graph().items() if name.startswith("meshtron.distributed.")}
+    assert "meshtron.distributed.expert_parallel" in found   # the walk sees the folder
+    for name, deps in found.items():
+        bad = {d for d in deps if not d.startswith("meshtron.distributed.") and d != "meshtron.distributed"}
+        assert not bad, f"{name} imports {sorted(bad)}"
 
 
 def test_no_import_cycles():

@@ -19,6 +19,7 @@ import collections
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -60,26 +61,41 @@ def _ranks(group) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 
 
-def group_names(mesh: DeviceMesh) -> dict[tuple[int, ...], str]:
-    """The ranks of a process group -> the mesh axes it spans, the size-1 ones left
-    out ("dp+cp"), or the HSDP dimension ("dp_replicate", "dp_shard"). Keyed by
-    ranks, not by group: DTensor's caches compare meshes by layout, so a collective
-    may run on the group of an equal mesh built earlier. Only groups already made
-    are named: making one is a collective of its own."""
+def _ranks_over(mesh: DeviceMesh, axes: tuple[str, ...]) -> list[int]:
+    """This rank's group over `axes` of the mesh, in the order _flatten gives its ranks
+    (row-major): read off the mesh's layout, no group made or looked up."""
+    index = tuple(slice(None) if a in axes else c for a, c in zip(mesh.mesh_dim_names, mesh.get_coordinate()))
+    with unset_fake_temporarily():   # the dry run counts under FakeTensorMode; the layout is real
+        return mesh.mesh[index].flatten().tolist()
+
+
+def group_names(mesh: DeviceMesh) -> dict[frozenset[int], str]:
+    """The ranks of this rank's group over each axis and named sub-mesh -> the mesh
+    axes it spans, the size-1 ones left out ("dp+cp"). Keyed by ranks, not by group:
+    DTensor's caches compare meshes by layout, so a collective may run on the group
+    of an equal mesh built earlier."""
     names = {}
-    for key, sub in mesh.__dict__.get("_meshtron_flat", {}).items():
-        if key in SUBMESHES:
-            label = "+".join(a for a in SUBMESHES[key] if degree(mesh, a) > 1)
-            if sub.size() > 1:
-                names[_ranks(sub.get_group())] = label
-        else:   # data_parallel.dp_mesh_for's 2-D HSDP / DDP mesh
-            for dim in sub.mesh_dim_names:
-                if sub[dim].size() > 1:
-                    names[_ranks(sub[dim].get_group())] = dim
-    for name in AXES:
-        if degree(mesh, name) > 1:
-            names[_ranks(mesh[name].get_group())] = name
+    for name in (*SUBMESHES, *AXES):   # a group one axis spans takes that axis' name
+        axes = SUBMESHES.get(name, (name,))
+        ranks = _ranks_over(mesh, axes)
+        if len(ranks) > 1:
+            names[frozenset(ranks)] = "+".join(a for a in axes if degree(mesh, a) > 1)
     return names
+
+
+def _hsdp_name(ranks: frozenset[int], dense: list[int]) -> str | None:
+    """The name, "dp_shard" or "dp_replicate", of a group of data_parallel.dp_mesh_for's 2-D
+    split of the dense data-parallel group `dense` (in its order) into replicas x
+    shards: a shard group is an aligned run of consecutive ranks of it, a replica
+    group every (n / size)-th rank. None for any other group."""
+    n, size = len(dense), len(ranks)
+    if size in (1, n) or n % size or not ranks <= set(dense):
+        return None
+    pos = sorted(dense.index(r) for r in ranks)
+    if pos[0] % size == 0 and pos == list(range(pos[0], pos[0] + size)):
+        return "dp_shard"
+    stride = n // size
+    return "dp_replicate" if pos[0] < stride and pos == list(range(pos[0], n, stride)) else None
 
 
 class CollectiveCounter(TorchDispatchMode):
@@ -88,6 +104,7 @@ class CollectiveCounter(TorchDispatchMode):
     def __init__(self, mesh: DeviceMesh):
         super().__init__()
         self.names = group_names(mesh)
+        self.dense = _ranks_over(mesh, SUBMESHES["dense_dp"])
         self.calls: dict[tuple[str, str], int] = collections.Counter()
         self.bytes: dict[tuple[str, str], int] = collections.Counter()
 
@@ -99,7 +116,8 @@ class CollectiveCounter(TorchDispatchMode):
             # functional collectives name the group; c10d ops carry it boxed as a TorchScript object
             pg = dist.distributed_c10d._resolve_process_group(group) if isinstance(group, str) \
                 else dist.ProcessGroup.unbox(group)
-            key = (kind, self.names.get(_ranks(pg), pg.group_name))
+            ranks = frozenset(_ranks(pg))
+            key = (kind, self.names.get(ranks) or _hsdp_name(ranks, self.dense) or pg.group_name)
             self.calls[key] += 1
             self.bytes[key] += _nbytes(args[data])
         return func(*args, **(kwargs or {}))

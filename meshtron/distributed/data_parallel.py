@@ -34,7 +34,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def dp_mesh_for(mesh: DeviceMesh, zero_stage: int, hsdp: int = 1) -> DeviceMesh:
-    """The 1-D (FSDP) or 2-D (HSDP / DDP) mesh FSDP2 runs on, derived from the one mesh."""
+    """The 1-D (FSDP) or 2-D (HSDP / DDP) mesh FSDP2 runs on, derived from the one mesh.
+    A 2-D mesh is new each call, with new process groups (a rendezvous of every rank):
+    build it once per model and pass it to each of its parts (apply_fsdp's dp_mesh)."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, not {zero_stage}")
     n = degree(mesh, "dense_dp")
@@ -46,17 +48,10 @@ def dp_mesh_for(mesh: DeviceMesh, zero_stage: int, hsdp: int = 1) -> DeviceMesh:
     flat = submesh(mesh, "dense_dp")
     if replicate == 1:
         return flat
-    # new process groups cost a rendezvous: keep the 2-D mesh with the one mesh,
-    # as submesh() keeps its flattened ones
-    cache = mesh.__dict__.setdefault("_meshtron_flat", {})
-    key = f"dense_dp_{replicate}x{n // replicate}"
-    if key not in cache:
-        names = ("dp_replicate", "dp_shard")
-        if hasattr(flat, "_unflatten"):
-            cache[key] = flat._unflatten(0, (replicate, n // replicate), names)
-        else:
-            cache[key] = DeviceMesh(flat.device_type, flat.mesh.view(replicate, n // replicate), mesh_dim_names=names)
-    return cache[key]
+    names = ("dp_replicate", "dp_shard")
+    if hasattr(flat, "_unflatten"):
+        return flat._unflatten(0, (replicate, n // replicate), names)
+    return DeviceMesh(flat.device_type, flat.mesh.view(replicate, n // replicate), mesh_dim_names=names)
 
 
 def mp_policy(param_dtype: str = "bf16", reduce_dtype: str = "fp32") -> MixedPrecisionPolicy:
@@ -66,12 +61,15 @@ def mp_policy(param_dtype: str = "bf16", reduce_dtype: str = "fp32") -> MixedPre
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, blocks: list[nn.Module], zero_stage: int = 3, hsdp: int = 1,
-               param_dtype: str = "fp32", reduce_dtype: str = "fp32", experts: list[nn.Module] = ()) -> nn.Module:
+               param_dtype: str = "fp32", reduce_dtype: str = "fp32", experts: list[nn.Module] = (),
+               dp_mesh: DeviceMesh | None = None) -> nn.Module:
     """Shard each block (the transformer layers: one FSDP unit, one all-gather,
     each), then the root (embedding, final norm, output). Expert weights (Shard(0)
     over ep) are units of their own over expert_dp (dp x cp; expert_parallel.py
-    divides their gradients by the ep factor FSDP does not)."""
-    dp_mesh = dp_mesh_for(mesh, zero_stage, hsdp)
+    divides their gradients by the ep factor FSDP does not). `dp_mesh`: the mesh
+    dp_mesh_for gives, when the caller has built it already (for another part)."""
+    if dp_mesh is None:
+        dp_mesh = dp_mesh_for(mesh, zero_stage, hsdp)
     reshard = zero_stage == 3
     policy = mp_policy(param_dtype, reduce_dtype)
     for e in experts:

@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 from torch.nn.utils.stateless import _reparametrize_module
 
-from meshtron.counts import counts, host_counts
+from meshtron.distributed.counts import counts, host_counts
 from meshtron.distributed.mesh import degree, submesh
 
 

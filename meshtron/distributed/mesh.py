@@ -82,13 +82,11 @@ def submesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
         return mesh[name]
     if name not in SUBMESHES:
         raise ValueError(f"unknown sub-mesh {name!r}; known: {AXES + tuple(SUBMESHES)}")
-    # torch wants flattened meshes kept by their creator (slicing them back out
-    # of the root is deprecated), so the mesh carries its own small cache.
-    cache = mesh.__dict__.setdefault("_meshtron_flat", {})
-    if name not in cache:
-        axes = SUBMESHES[name]
-        cache[name] = mesh[axes]._flatten("_".join(axes))  # no public flatten in torch 2.11-2.13
-    return cache[name]
+    # torch keeps each flattened mesh with the root mesh under its name: flattening
+    # again returns that mesh and makes no new process group (no public flatten in
+    # torch 2.11-2.13)
+    axes = SUBMESHES[name]
+    return mesh[axes]._flatten("_".join(axes))
 
 
 def degree(mesh: DeviceMesh, name: str) -> int:

@@ -23,18 +23,29 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+from typing import Protocol
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshtron.config import ParallelConfig
-from meshtron.distributed.data_parallel import apply_fsdp
+from meshtron.distributed.data_parallel import apply_fsdp, dp_mesh_for
 from meshtron.distributed.mesh import degree
 from meshtron.distributed.recompute import apply_recompute
 from meshtron.distributed.tensor_parallel import parallelize_module
 from meshtron.distributed.user_pipeline import is_stub
 
 log = logging.getLogger(__name__)
+
+
+class LayoutOptions(Protocol):
+    """What these functions read of a layout's options (meshtron.config.ParallelConfig
+    has them all; distributed/ imports no config)."""
+    zero: int               # ZeRO stage 0-3
+    hsdp: int               # replicas of HSDP
+    dtype: str              # compute dtype: "fp32", "bf16", "fp16"
+    reduce_dtype: str       # gradient reduction dtype
+    recompute: str          # "none", "selective", "full"
+    compile: bool           # torch.compile each block
 
 
 def apply_compile(blocks: list[nn.Module], options: dict | None = None) -> None:
@@ -45,14 +56,29 @@ def apply_compile(blocks: list[nn.Module], options: dict | None = None) -> None:
         block.compile(options=options)
 
 
-def apply_dp(model: nn.Module, mesh: DeviceMesh, config: ParallelConfig, blocks: list[nn.Module],
-             experts: list[nn.Module] = ()) -> None:
-    """FSDP over the dense data-parallel sub-mesh, one unit per block plus the root
-    (and one per experts module, over expert_dp)."""
+def _zero(mesh: DeviceMesh, config: LayoutOptions) -> int | None:
+    """The ZeRO stage FSDP runs, or None when FSDP is not applied (fp32 on one dense dp rank)."""
     n = degree(mesh, "dense_dp")
     if n > 1 or config.dtype != "fp32":
-        zero = config.zero if n > 1 else 1   # nothing to shard over
-        apply_fsdp(model, mesh, blocks, zero, config.hsdp, config.dtype, config.reduce_dtype, experts)
+        return config.zero if n > 1 else 1   # nothing to shard over
+    return None
+
+
+def dp_mesh_of(mesh: DeviceMesh, config: LayoutOptions) -> DeviceMesh | None:
+    """The mesh FSDP runs on under `config` (None without FSDP): build it once for
+    a model cut into parts and give it to each part's apply_dp."""
+    zero = _zero(mesh, config)
+    return None if zero is None else dp_mesh_for(mesh, zero, config.hsdp)
+
+
+def apply_dp(model: nn.Module, mesh: DeviceMesh, config: LayoutOptions, blocks: list[nn.Module],
+             experts: list[nn.Module] = (), dp_mesh: DeviceMesh | None = None) -> None:
+    """FSDP over the dense data-parallel sub-mesh, one unit per block plus the root
+    (and one per experts module, over expert_dp). `dp_mesh`: dp_mesh_of's, when
+    built already; else this call builds it."""
+    zero = _zero(mesh, config)
+    if zero is not None:
+        apply_fsdp(model, mesh, blocks, zero, config.hsdp, config.dtype, config.reduce_dtype, experts, dp_mesh)
 
 
 def find_blocks(model: nn.Module, blocks=None) -> tuple[str, list[nn.Module]]:
@@ -78,11 +104,12 @@ def find_blocks(model: nn.Module, blocks=None) -> tuple[str, list[nn.Module]]:
     return f"{len(best)} blocks of {best_name} ({type(best[0]).__name__})", best
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, config: ParallelConfig, *, plan: dict | None = None,
-                blocks=None) -> nn.Module:
+def parallelize(model: nn.Module, mesh: DeviceMesh, config: LayoutOptions, *, plan: dict | None = None,
+                blocks=None, dp_mesh: DeviceMesh | None = None) -> nn.Module:
     """Apply a layout to any model: the TP `plan` (string styles of
     parallelize_module), then recomputation and compile of each block, then FSDP
-    with one unit per block. Tied weights stay tied through every step."""
+    with one unit per block (on `dp_mesh`, as apply_dp). Tied weights stay tied
+    through every step."""
     what, blocks = find_blocks(model, blocks)
     log.info("parallelize: %s", what)
     if degree(mesh, "tp") > 1 and plan:
@@ -90,5 +117,5 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, config: ParallelConfig, *, p
     apply_recompute(blocks, config.recompute)
     if config.compile:
         apply_compile(blocks)
-    apply_dp(model, mesh, config, blocks)
+    apply_dp(model, mesh, config, blocks, dp_mesh=dp_mesh)
     return model

@@ -153,6 +153,44 @@ def _norm_dim(d: int, ndim: int) -> int:
     return d + ndim if d < 0 else d
 
 
+def _check_rows(x, param_follows_hidden: bool) -> None:
+    """A row-local op takes no Partial input, and whole rows unless its parameters
+    follow the hidden dim."""
+    for p in x.placements:
+        if p.is_partial():
+            raise ValueError("x is Partial: reduce it before a non-linear op")
+        if p.is_shard() and _norm_dim(p.dim, x.ndim) == x.ndim - 1 and not param_follows_hidden:
+            raise ValueError("LayerNorm needs whole rows: x must not be sharded on its last dim")
+
+
+def _param_local(prm, x) -> torch.Tensor:
+    """A 1-D DTensor parameter as the local tensor a row-local op on x uses, per mesh
+    axis: sharded like x's hidden dim, else whole; its gradient Partial on the axes
+    that shard x's rows (each rank saw only its rows)."""
+    pmesh, want, grad = prm.device_mesh, [], []
+    names = x.device_mesh.mesh_dim_names if is_dtensor(x) else None
+    for axis in range(pmesh.ndim):
+        # x's placement on the same mesh axis: by identity, else by axis name.
+        px = Replicate()
+        if is_dtensor(x):
+            if pmesh == x.device_mesh:
+                px = x.placements[axis]
+            elif names is not None and pmesh.mesh_dim_names is not None and pmesh.mesh_dim_names[axis] in names:
+                px = x.placements[names.index(pmesh.mesh_dim_names[axis])]
+        if px.is_shard() and _norm_dim(px.dim, x.ndim) == x.ndim - 1:
+            want.append(Shard(0))      # parameter sharded like x's hidden dim
+            grad.append(Shard(0))
+        elif px.is_shard():
+            want.append(Replicate())   # rows sharded: local grad is a partial sum
+            grad.append(Partial())
+        else:
+            want.append(Replicate())
+            grad.append(Replicate())
+    if tuple(prm.placements) != tuple(want):
+        prm = prm.redistribute(pmesh, want)
+    return prm.to_local(grad_placements=grad)
+
+
 def dtensor_locals(x, params: Sequence[torch.Tensor | None], param_follows_hidden: bool):
     """Turn ``x`` and its 1-D parameters into local tensors for a row-local op.
 
@@ -163,54 +201,12 @@ def dtensor_locals(x, params: Sequence[torch.Tensor | None], param_follows_hidde
     Returns ``(x_local, param_locals, wrap)``; ``wrap(y_local)`` gives y back
     with x's placements (a plain tensor when x was plain).
     """
-    x_is_dt = is_dtensor(x)
-    if x_is_dt:
-        mesh, xpl = x.device_mesh, tuple(x.placements)
-        last = x.ndim - 1
-        for p in xpl:
-            if p.is_partial():
-                raise ValueError("x is Partial: reduce it before a non-linear op")
-            if p.is_shard() and _norm_dim(p.dim, x.ndim) == last and not param_follows_hidden:
-                raise ValueError("LayerNorm needs whole rows: x must not be sharded on its last dim")
-        x_local = x.to_local(grad_placements=xpl)
-        names = mesh.mesh_dim_names
-    else:
-        x_local = x
+    if not is_dtensor(x):
+        return x, [_param_local(p, x) if is_dtensor(p) else p for p in params], lambda y_local: y_local
+    _check_rows(x, param_follows_hidden)   # before any redistribution: an error, not a hang
+    mesh, xpl = x.device_mesh, tuple(x.placements)
+    x_local = x.to_local(grad_placements=xpl)
 
-    locals_ = []
-    for prm in params:
-        if not is_dtensor(prm):
-            locals_.append(prm)
-            continue
-        pmesh = prm.device_mesh
-        want, grad = [], []
-        for axis in range(pmesh.ndim):
-            # x's placement on the same mesh axis: by identity, else by axis name.
-            px = Replicate()
-            if x_is_dt:
-                if pmesh == mesh:
-                    px = xpl[axis]
-                elif names is not None and pmesh.mesh_dim_names is not None \
-                        and pmesh.mesh_dim_names[axis] in names:
-                    px = xpl[names.index(pmesh.mesh_dim_names[axis])]
-            if px.is_shard() and _norm_dim(px.dim, x.ndim) == x.ndim - 1:
-                want.append(Shard(0))      # parameter sharded like x's hidden dim
-                grad.append(Shard(0))
-            elif px.is_shard():
-                want.append(Replicate())   # rows sharded: local grad is a partial sum
-                grad.append(Partial())
-            else:
-                want.append(Replicate())
-                grad.append(Replicate())
-        if tuple(prm.placements) != tuple(want):
-            prm = prm.redistribute(pmesh, want)
-        locals_.append(prm.to_local(grad_placements=grad))
-
-    if x_is_dt:
-        def wrap(y_local):
-            return DTensor.from_local(y_local, mesh, xpl, run_check=False,
-                                      shape=x.shape, stride=x.stride())
-    else:
-        def wrap(y_local):
-            return y_local
-    return x_local, locals_, wrap
+    def wrap(y_local):
+        return DTensor.from_local(y_local, mesh, xpl, run_check=False, shape=x.shape, stride=x.stride())
+    return x_local, [_param_local(p, x) if is_dtensor(p) else p for p in params], wrap

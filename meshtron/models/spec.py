@@ -40,7 +40,8 @@ class ModelSpec:
     check_layout: Callable
     """(model config, degrees {axis: n}, ParallelConfig, seq_len) -> None; raises ValueError"""
     parallelize: Callable
-    """(model or pipeline stage, mesh, ParallelConfig) -> None: TP, recompute, compile, FSDP in place"""
+    """(model or pipeline stage, mesh, ParallelConfig, dp_mesh=None) -> None: TP, recompute, compile,
+    FSDP in place (dp_mesh: distributed.parallelize.dp_mesh_of's, built once for every stage)"""
     pipeline_split: Callable
     """(model config, n_stages) -> the module names each stage holds"""
     tp_plan: Callable | None = None

@@ -109,3 +109,33 @@ def test_size_one_axes_issue_no_collectives(pools):
     for counts, tp, loss, norm in pools.run(4, _size_one_axes_cost_nothing):
         assert tp == 1 and loss == 1.0 and norm == 0.0
         assert counts == 1
+
+
+def _flattened_once(rank, world):
+    from meshtron.distributed.collectives import CollectiveCounter
+    m = init_mesh(device_type="cpu", dp=2, cp=2, tp=2)   # a fresh mesh: none of its groups flattened yet
+    first = submesh(m, "dense_dp")
+    groups = len(dist.distributed_c10d._world.pg_map)
+    again = [submesh(m, name) for name in ("dense_dp", "loss")]   # "loss" spans the same axes
+    names = CollectiveCounter(m).names
+    return (all(s is first for s in again), len(dist.distributed_c10d._world.pg_map) - groups,
+            names.get(frozenset(dist.get_process_group_ranks(first.get_group()))),
+            "_meshtron_flat" in m.__dict__)
+
+
+def test_a_flattened_sub_mesh_is_made_once_and_kept_by_torch(pools):
+    # torch keeps each flattened mesh with the root mesh by name: asking again returns it
+    # and makes no process group; the collective counter names its group from the layout
+    for same, new_groups, name, stamped in pools.run(8, _flattened_once):
+        assert same and new_groups == 0 and name == "dp+cp" and not stamped
+
+
+def test_hsdp_groups_are_named_by_their_place_in_the_dense_dp_group():
+    from meshtron.distributed.collectives import _hsdp_name
+    dense = [0, 2, 4, 6, 8, 10, 12, 14]   # one rank's dense dp group, in flattened order
+    assert _hsdp_name(frozenset({8, 10, 12, 14}), dense) == "dp_shard"        # 2 replicas x 4 shards
+    assert _hsdp_name(frozenset({2, 10}), dense) == "dp_replicate"
+    assert _hsdp_name(frozenset({0, 2}), dense) == "dp_shard"                 # 4 replicas x 2 shards
+    assert _hsdp_name(frozenset({2, 6, 10, 14}), dense) == "dp_replicate"
+    for other in ({2, 4}, {0, 4}, {0, 1}, set(dense), {0}):   # unaligned, wrong stride, outside, whole, one
+        assert _hsdp_name(frozenset(other), dense) is None, other

@@ -467,69 +467,92 @@ def test_torch_compile_fullgraph_and_checkpoint_llama_ops():
 
 
 # ----------------------------------------------------------------------------- DTensor (2 ranks, gloo)
-def _dtensor_worker(rank, world, store_path):
+def _gloo_meshes(rank, world, store_path):
+    """A gloo group of `world` ranks and its meshes: tp alone, and 2-D (dp, tp) meshes
+    with either axis the real one."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
+    return (init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)),
+            init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp")),
+            init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp")))
+
+
+def _reference(fn, dy, *ts):
+    """fn's output and the gradients of its inputs, on plain tensors."""
+    ls = leaves(*ts)
+    out = fn(*ls)
+    return out.detach(), torch.autograd.grad(out, ls, dy)
+
+
+def _placed(fn, x, dy, mesh, xpl, inputs):
+    """fn on x placed as `xpl` and `inputs` [(tensor, mesh, placements)]: its output
+    (which must come back with x's placements) and the gradients, all gathered."""
+    from torch.distributed.tensor import distribute_tensor
+    xd = distribute_tensor(x, mesh, xpl).requires_grad_()
+    ds = [distribute_tensor(t, m, pl).requires_grad_() for t, m, pl in inputs]
+    y = fn(xd, *ds)
+    assert tuple(y.placements) == tuple(xpl), (y.placements, xpl)
+    y.backward(distribute_tensor(dy, mesh, xpl))
+    return y.full_tensor(), [xd.grad.full_tensor()] + [d.grad.full_tensor() for d in ds]
+
+
+def _close(got, want):
+    out, grads = got
+    r_out, r_grads = want
+    torch.testing.assert_close(out, r_out, rtol=1e-5, atol=1e-5)
+    assert len(grads) == len(r_grads)
+    for a, r in zip(grads, r_grads):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
+
+
+def _raises(fn, *a) -> str:
     try:
-        tp = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        dp2 = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))   # 2-D meshes,
-        tp2 = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))   # either axis real
+        fn(*a)
+    except ValueError as e:
+        return str(e)
+    raise AssertionError(f"{fn} must raise ValueError")
+
+
+def _impls():
+    return ("torch", "triton") if _common.interpreting() else ("torch",)
+
+
+def _dtensor_worker(rank, world, store_path):
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, Shard
+
+    tp, dp2, tp2 = _gloo_meshes(rank, world, store_path)
+    try:
         g = torch.Generator().manual_seed(0)
         x = torch.randn(2, 6, 5, generator=g)       # (batch, seq, hidden); hidden 5 shards 3/2
         w, b, dy = torch.randn(5, generator=g), torch.randn(5, generator=g), torch.randn(2, 6, 5, generator=g)
-
-        def ref(fn, *ts):
-            ls = leaves(*ts)
-            out = fn(*ls)
-            return out.detach(), torch.autograd.grad(out, ls, dy)
-
-        def run(fn, mesh, xpl, params):
-            xd = distribute_tensor(x, mesh, xpl).requires_grad_()
-            pds = [distribute_tensor(t, pm, ppl).requires_grad_() for t, pm, ppl in params]
-            y = fn(xd, *pds)
-            assert tuple(y.placements) == tuple(xpl), (y.placements, xpl)
-            y.backward(distribute_tensor(dy, mesh, xpl))
-            return y.full_tensor(), [xd.grad.full_tensor()] + [p.grad.full_tensor() for p in pds]
-
-        def close(got, want):
-            out, grads = got
-            r_out, r_grads = want
-            torch.testing.assert_close(out, r_out, rtol=1e-5, atol=1e-5)
-            for a, r in zip(grads, r_grads):
-                torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
-
         R, S0, S1, S2 = Replicate(), Shard(0), Shard(1), Shard(2)
-        ln_ref = ref(lambda x, w, b: F.layer_norm(x, (5,), w, b, 1e-5), x, w, b)
-        bg_ref = ref(lambda x, b: F.gelu(x + b, approximate="tanh"), x, b)
-        for impl in ("torch", "triton") if _common.interpreting() else ("torch",):
+        ln_ref = _reference(lambda x, w, b: F.layer_norm(x, (5,), w, b, 1e-5), dy, x, w, b)
+        bg_ref = _reference(lambda x, b: F.gelu(x + b, approximate="tanh"), dy, x, b)
+        for impl in _impls():
             def ln(x, w, b, impl=impl):
                 return layer_norm(x, w, b, 1e-5, impl=impl)
 
             def bg(x, b, impl=impl):
                 return bias_gelu(x, b, impl=impl)
             # sequence parallel: x Shard(seq), weight and bias Replicate -> Partial grads
-            close(run(ln, tp, [S1], [(w, tp, [R]), (b, tp, [R])]), ln_ref)
+            _close(_placed(ln, x, dy, tp, [S1], [(w, tp, [R]), (b, tp, [R])]), ln_ref)
             # 2-D mesh, batch on dp and sequence on tp; weights on the 2-D mesh and on the tp
             # submesh (whose gradient then holds no dp sum: FSDP/DDP do that one)
-            close(run(ln, dp2, [S0, S1], [(w, dp2, [R, R]), (b, dp2, [R, R])]), ln_ref)
-            close(run(ln, tp2, [S0, S1], [(w, tp2, [R, R]), (b, tp2["tp"], [R])]), ln_ref)
+            _close(_placed(ln, x, dy, dp2, [S0, S1], [(w, dp2, [R, R]), (b, dp2, [R, R])]), ln_ref)
+            _close(_placed(ln, x, dy, tp2, [S0, S1], [(w, tp2, [R, R]), (b, tp2["tp"], [R])]), ln_ref)
             # column parallel: x Shard(-1) (uneven 3/2), bias Shard(0)
-            close(run(bg, tp, [S2], [(b, tp, [S0])]), bg_ref)
+            _close(_placed(bg, x, dy, tp, [S2], [(b, tp, [S0])]), bg_ref)
             # bias replicated while x is column sharded: the bias is sliced locally
-            close(run(bg, tp, [S2], [(b, tp, [R])]), bg_ref)
+            _close(_placed(bg, x, dy, tp, [S2], [(b, tp, [R])]), bg_ref)
             # sequence parallel bias-GeLU: bias grad is a partial sum over tp
-            close(run(bg, tp, [S1], [(b, tp, [R])]), bg_ref)
-        try:
-            run(lambda x, w: layer_norm(x, w, None), tp, [S2], [(w, tp, [R])])
-            raise AssertionError("LayerNorm over a sharded hidden dim must raise")
-        except ValueError:
-            pass
+            _close(_placed(bg, x, dy, tp, [S1], [(b, tp, [R])]), bg_ref)
+        _raises(_placed, lambda x, w: layer_norm(x, w, None), x, dy, tp, [S2], [(w, tp, [R])])   # sharded hidden dim
     finally:
         dist.destroy_process_group()
 
@@ -542,77 +565,37 @@ def test_dtensor_two_ranks_gloo():
 
 def _dtensor_llama_worker(rank, world, store_path):
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    tp, dp2, tp2 = _gloo_meshes(rank, world, store_path)
     try:
-        tp = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        dp2 = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
-        tp2 = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
         g = torch.Generator().manual_seed(0)
         x = torch.randn(2, 6, 5, generator=g)       # (batch, seq, hidden); hidden 5 shards 3/2
         u, dy = torch.randn(2, 6, 5, generator=g), torch.randn(2, 6, 5, generator=g)
         w = torch.randn(5, generator=g)
-
-        def ref(fn, *ts):
-            ls = leaves(*ts)
-            out = fn(*ls)
-            return out.detach(), torch.autograd.grad(out, ls, dy)
-
-        def run(fn, mesh, xpl, inputs):
-            """inputs: (tensor, mesh, placements) after x; y must come back with x's placements."""
-            xd = distribute_tensor(x, mesh, xpl).requires_grad_()
-            ds = [distribute_tensor(t, m, pl).requires_grad_() for t, m, pl in inputs]
-            y = fn(xd, *ds)
-            assert tuple(y.placements) == tuple(xpl), (y.placements, xpl)
-            y.backward(distribute_tensor(dy, mesh, xpl))
-            return y.full_tensor(), [xd.grad.full_tensor()] + [d.grad.full_tensor() for d in ds]
-
-        def close(got, want):
-            out, grads = got
-            r_out, r_grads = want
-            torch.testing.assert_close(out, r_out, rtol=1e-5, atol=1e-5)
-            assert len(grads) == len(r_grads)
-            for a, r in zip(grads, r_grads):
-                torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
-
-        def raises(fn, *a):
-            try:
-                fn(*a)
-            except ValueError as e:
-                return str(e)
-            raise AssertionError(f"{fn} must raise ValueError")
-
         R, S0, S1, S2 = Replicate(), Shard(0), Shard(1), Shard(2)
-        rms_ref = ref(lambda x, w: F.rms_norm(x, (5,), w, 1e-6), x, w)
-        rms_nw_ref = ref(lambda x: F.rms_norm(x, (5,), None, 1e-6), x)
-        sw_ref = ref(lambda g, u: F.silu(g) * u, x, u)
-        for impl in ("torch", "triton") if _common.interpreting() else ("torch",):
+        rms_ref = _reference(lambda x, w: F.rms_norm(x, (5,), w, 1e-6), dy, x, w)
+        rms_nw_ref = _reference(lambda x: F.rms_norm(x, (5,), None, 1e-6), dy, x)
+        sw_ref = _reference(lambda g, u: F.silu(g) * u, dy, x, u)
+        for impl in _impls():
             def rms(x, w=None, impl=impl):
                 return rms_norm(x, w, 1e-6, impl=impl)
 
             def sw(g, u, impl=impl):
                 return swiglu(g, u, impl=impl)
             # sequence parallel: x Shard(seq), weight Replicate -> Partial grad over tp
-            close(run(rms, tp, [S1], [(w, tp, [R])]), rms_ref)
-            close(run(rms, tp, [S1], []), rms_nw_ref)
+            _close(_placed(rms, x, dy, tp, [S1], [(w, tp, [R])]), rms_ref)
+            _close(_placed(rms, x, dy, tp, [S1], []), rms_nw_ref)
             # 2-D meshes, batch on dp and sequence on tp; weight on the 2-D mesh and on the tp submesh
-            close(run(rms, dp2, [S0, S1], [(w, dp2, [R, R])]), rms_ref)
-            close(run(rms, tp2, [S0, S1], [(w, tp2["tp"], [R])]), rms_ref)
+            _close(_placed(rms, x, dy, dp2, [S0, S1], [(w, dp2, [R, R])]), rms_ref)
+            _close(_placed(rms, x, dy, tp2, [S0, S1], [(w, tp2["tp"], [R])]), rms_ref)
             # SwiGLU: gate and up alike, column parallel (uneven 3/2), sequence sharded, replicated, 2-D
-            close(run(sw, tp, [S2], [(u, tp, [S2])]), sw_ref)
-            close(run(sw, tp, [S1], [(u, tp, [S1])]), sw_ref)
-            close(run(sw, tp, [R], [(u, tp, [R])]), sw_ref)
-            close(run(sw, dp2, [S0, S2], [(u, dp2, [S0, S2])]), sw_ref)
-            close(run(sw, tp2, [S1, S2], [(u, tp2, [S1, S2])]), sw_ref)
-        assert "RMSNorm" in raises(rms_norm, distribute_tensor(x, tp, [S2]), distribute_tensor(w, tp, [R]))
-        assert "placements" in raises(swiglu, distribute_tensor(x, tp, [S1]), distribute_tensor(u, tp, [S2]))
-        assert "both" in raises(swiglu, distribute_tensor(x, tp, [S2]), u)
-        assert "both" in raises(swiglu, x, distribute_tensor(u, tp, [S2]))
+            for mesh, pl in ((tp, [S2]), (tp, [S1]), (tp, [R]), (dp2, [S0, S2]), (tp2, [S1, S2])):
+                _close(_placed(sw, x, dy, mesh, pl, [(u, mesh, pl)]), sw_ref)
+        assert "RMSNorm" in _raises(rms_norm, distribute_tensor(x, tp, [S2]), distribute_tensor(w, tp, [R]))
+        assert "placements" in _raises(swiglu, distribute_tensor(x, tp, [S1]), distribute_tensor(u, tp, [S2]))
+        assert "both" in _raises(swiglu, distribute_tensor(x, tp, [S2]), u)
+        assert "both" in _raises(swiglu, x, distribute_tensor(u, tp, [S2]))
     finally:
         dist.destroy_process_group()
 

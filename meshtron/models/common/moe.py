@@ -34,8 +34,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from meshtron.counts import counts as expert_counts
-from meshtron.counts import host_counts
+from meshtron.distributed.counts import counts as expert_counts
+from meshtron.distributed.counts import host_counts
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,9 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig, moe: 
                 fork_rng_per_rank(present[name], tp_mesh)
 
 
-def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig) -> None:
+def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig,
+                    dp_mesh: DeviceMesh | None = None) -> None:
+    """Expert parallelism, TP, CP, recompute, compile, FSDP (on `dp_mesh`: apply_dp's)."""
     blocks = list(model.layers.values())
     moe = [b.mlp for b in blocks if isinstance(b.mlp, MoE)]
     if moe:
@@ -93,7 +95,7 @@ def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig
     apply_recompute(blocks, parallel.recompute)
     if parallel.compile:
         apply_compile(blocks, async_tp.compile_options(parallel))
-    apply_dp(model, mesh, parallel, blocks, experts=[m.experts for m in moe])
+    apply_dp(model, mesh, parallel, blocks, experts=[m.experts for m in moe], dp_mesh=dp_mesh)
 
 
 def pipeline_split(cfg, n_stages: int) -> list[list[str]]:

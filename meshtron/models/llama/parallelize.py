@@ -66,7 +66,9 @@ def tp_plan(model: nn.Module, sp: bool, loss_parallel: bool, moe: bool = False) 
     return {k: v for k, v in plan.items() if any(matches(k, n) for n in present)}
 
 
-def parallelize_llama(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig) -> None:
+def parallelize_llama(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig,
+                      dp_mesh: DeviceMesh | None = None) -> None:
+    """Expert parallelism, TP, CP, recompute, compile, FSDP (on `dp_mesh`: apply_dp's)."""
     blocks = list(model.layers.values())
     moe = [b.feed_forward for b in blocks if isinstance(b.feed_forward, MoE)]
     if moe:
@@ -84,7 +86,7 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConf
     apply_recompute(blocks, parallel.recompute)
     if parallel.compile:
         apply_compile(blocks, async_tp.compile_options(parallel))
-    apply_dp(model, mesh, parallel, blocks, experts=[m.experts for m in moe])
+    apply_dp(model, mesh, parallel, blocks, experts=[m.experts for m in moe], dp_mesh=dp_mesh)
 
 
 def pipeline_split(cfg, n_stages: int) -> list[list[str]]:

@@ -1,4 +1,5 @@
-"""Tokens per expert, counted on the device, and the one copy of them to the host.
+"""Tokens per expert, counted on the device, and the one copy of them to the host
+(shared by the model's MoE block and expert parallelism's dispatch).
 
 `torch.bincount` sizes its output from the largest id, so on a GPU it waits for
 the device, and fake tensors (the dry run: meshtron.dry_run) cannot run it at
