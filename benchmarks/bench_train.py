@@ -43,6 +43,8 @@ from meshtron.trainer import init_process_group  # noqa: E402
 
 LAYOUTS = {  # name: (GPUs, recipe flags); bf16 compute, fp32 master weights and reduction throughout
     "1gpu": (1, []),
+    "1gpu_fp8": (1, ["--fp8", "tensorwise"]),            # FP8 matmuls (torchao Float8Linear)
+    "1gpu_fp8_rowwise": (1, ["--fp8", "rowwise"]),
     "fsdp4": (4, ["--dp", "4", "--zero", "1"]),
     "fsdp4_zero3": (4, ["--dp", "4", "--zero", "3"]),
     "tp2dp2": (4, ["--dp", "2", "--tp", "2", "--sp", "--zero", "1"]),
@@ -97,7 +99,15 @@ def _split_even():
         module.split_layers = lambda n, stages, **_: pipeline_parallel.split_layers(n, stages)
 
 
+def _fp8_bf16_gather():
+    """FP8 tensorwise with FSDP gathering bf16 weights (each linear casts them per use)."""
+    from meshtron.distributed import float8
+    convert = float8.convert
+    float8.convert = lambda *a, **k: convert(*a, **{**k, "fsdp_all_gather": False})
+
+
 EXPERIMENTS = {  # code paths other than the shipped ones (replaced or proposed), measured against them in one run
+    "fp8-bf16-gather": _fp8_bf16_gather,
     "split-even": _split_even,
     "sac-save-sdpa": _sac_save_sdpa,
     "rope-fp32": lambda: setattr(__import__("meshtron.models.llama.model", fromlist=["x"]), "apply_rope", _rope_fp32),

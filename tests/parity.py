@@ -74,11 +74,17 @@ NOISE_MARGIN = 10
 
 
 def run_parity(mesh, build_model, parallelize, batches, *, micro_batches: int = 1, lr: float = 1e-3,
-               max_norm: float | None = None, fb_kwargs=None, ref_fb_kwargs=None, noise: bool = False) -> ParityReport:
+               max_norm: float | None = None, fb_kwargs=None, ref_fb_kwargs=None, noise: bool = False,
+               build_ref=None, rank_major: bool = False, after_step=None) -> ParityReport:
     """batches: list of global (x, y) batches, one per optimizer step.
     parallelize(model, mesh) -> the model under the layout, or a Pipeline of its
     stages. Both sides run the trainer's forward_backward, clipping and AdamW;
     the reference is the plain model on the whole batch, in this process.
+
+    build_ref: builds the reference instead of build_model (FP8: the model converted
+    as the layout converts it). rank_major: the reference's micro-batches are the
+    ranks' own, in rank order (FP8 scales each forward's activations by their own
+    maximum). after_step(parts): run after the parallel optimizer step.
 
     noise=True: the reference runs in float64, and one more plain fp32 process runs
     beside it; its errors against float64 (report.noise) are what fp32 rounding alone
@@ -93,9 +99,10 @@ def run_parity(mesh, build_model, parallelize, batches, *, micro_batches: int = 
     # runs differ by ~1e-4 in updated weights. eps=1e-4 (under the grads that
     # matter here, ~1e-3) keeps AdamW's state and update rule but weighs each
     # entry's step by its size, so weight errors track gradient errors.
-    ref = build_model().double() if noise else build_model()
+    build_ref = build_ref or build_model
+    ref = build_ref().double() if noise else build_ref()
     ref_opt = build_optimizer(ref, lr, eps=1e-4)
-    solo = build_model() if noise else None
+    solo = build_ref() if noise else None
     solo_opt = build_optimizer(solo, lr, eps=1e-4) if noise else None
     if noise:
         report.noise = ParityReport()
@@ -114,7 +121,8 @@ def run_parity(mesh, build_model, parallelize, batches, *, micro_batches: int = 
     for x, y in batches:
         # reference: the whole global batch, one process; in micro-batches, its i-th
         # holds every rank's i-th (what an MoE's routing statistics sum over)
-        xr, yr = (t.view(count, ref_micro, -1, t.shape[-1]).transpose(0, 1).reshape(t.shape) for t in (x, y))
+        xr, yr = (t if rank_major else t.view(count, ref_micro, -1, t.shape[-1]).transpose(0, 1).reshape(t.shape)
+                  for t in (x, y))
         ref_loss = forward_backward([ref], xr, yr, None, **(ref_fb_kwargs or {}))
         ref_grads = {n: p.grad.detach().float().clone() for n, p in ref.named_parameters()}
         # a gradient that is zero in exact arithmetic (a key bias: softmax ignores a
@@ -144,6 +152,8 @@ def run_parity(mesh, build_model, parallelize, batches, *, micro_batches: int = 
                                pipeline.norm_parameters() if pipeline else None)
         report.grad_norm = max(report.grad_norm, abs(float(norm) - float(ref_norm)) / float(ref_norm))
         par_opt.step()
+        if after_step is not None:
+            after_step(parts)
         par_opt.zero_grad(set_to_none=True)
         if moe_blocks([ref]):
             ref_stats, stats = end_step(moe_blocks([ref])), end_step(moe_blocks(parts))
