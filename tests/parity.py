@@ -159,7 +159,7 @@ def run_parity(mesh, build_model, parallelize, batches, *, micro_batches: int = 
             ref_stats, stats = end_step(moe_blocks([ref])), end_step(moe_blocks(parts))
             if pipeline is not None and degree(mesh, "pp") > 1:
                 torch.distributed.all_reduce(stats, group=mesh["pp"].get_group())
-            report.aux = max(report.aux, abs(float(stats[0] - ref_stats[0])) / float(ref_stats[0]))
+            report.aux = max(report.aux, abs(float(stats[0] - ref_stats[0])) / max(float(ref_stats[0]), 1e-12))
 
     ref_buffers = dict(ref.named_buffers())
     for n, b in (nb for m in parts for nb in m.named_buffers()):
