@@ -25,7 +25,6 @@ import torch
 
 from meshtron.distributed.data_parallel import DTYPES
 from meshtron.distributed.float8 import RECIPES as FP8_RECIPES
-from meshtron.distributed.float8 import ROWWISE_TP
 from meshtron.distributed.mesh import AXES
 from meshtron.distributed.pipeline_parallel import SCHEDULES, SPLIT_BACKWARD
 from meshtron.distributed.recompute import MODES
@@ -258,8 +257,6 @@ class Config:
         if p.fp8 != "none" and p.async_tp:
             raise ConfigError("--fp8 with --async-tp is not supported: the overlapped matmuls are bf16 ones, of "
                               "weights the fp8 linears hold; use one or the other")
-        if p.fp8 == "rowwise" and p.tp > 1:
-            raise ConfigError(ROWWISE_TP)
         if p.fp8 != "none":
             from meshtron.distributed.float8 import check_available
             try:

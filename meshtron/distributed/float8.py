@@ -42,8 +42,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
 RECIPES = ("none", "tensorwise", "rowwise")
-ROWWISE_TP = ("--fp8 rowwise with --tp > 1 is not supported yet: with rows split over tp ranks its gradients "
-              "differ from one process's (tests/distributed/test_float8.py); use --fp8 tensorwise")
 # what a model's own skip list names when a user model gives none
 DEFAULT_SKIP = ("output", "lm_head", "*router*")
 
@@ -94,8 +92,6 @@ def convert(model: nn.Module, recipe: str, device_type: str, *, skip=DEFAULT_SKI
     for recipe "none"."""
     if recipe == "none":
         return []
-    if recipe == "rowwise" and tp > 1:
-        raise ValueError(ROWWISE_TP)
     check_available()
     from torchao.float8.float8_linear import Float8Linear
     config = float8_config(recipe, fsdp_all_gather=fsdp_all_gather and recipe == "tensorwise",

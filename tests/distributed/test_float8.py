@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from meshtron import ParallelConfig, parallelize
 from meshtron.distributed import float8
+from meshtron.loss import cross_entropy_sum
 from meshtron.models import GPT, gpt_config
 from meshtron.models.common.moe import MoEConfig
 from meshtron.models.llama import SPEC as LLAMA_SPEC
@@ -71,16 +72,35 @@ LAYOUTS = {"one process": (1, dict(dp=1), None),
            "dp2 x tp2 sp": (4, dict(dp=2, tp=2), dict(sp=True, zero=1)),
            "pp2": (2, dict(dp=1, pp=2), None),
            "MoE ep2 (dense parts FP8)": (2, dict(dp=1, ep=2), dict(zero=1))}
-# rowwise with tp > 1 is refused
-ROWWISE = ("one process", "dp2 zero3 (fp8 all-gather)", "pp2", "MoE ep2 (dense parts FP8)")
+ROWWISE = ("one process", "dp2 zero3 (fp8 all-gather)", "dp2 x tp2 sp", "pp2", "MoE ep2 (dense parts FP8)")
+FLIP_MARGIN = 3   # deterministic steps: the measured ratio is 0.95 (0.056 against 0.059)
+
+
+def _flip_noise(rank, world, recipe):
+    """What fp32 rounding alone does to one FP8 process over the same steps: the same
+    model with its loss scaled by 1 + 3e-7 (a reduction-order-sized change). Rowwise
+    scales are powers of two and do not absorb it, so elements that sit on an fp8
+    rounding boundary flip by one fp8 step; a tensorwise scale absorbs a uniform change."""
+    def nudged(logits, y):
+        return cross_entropy_sum(logits, y) * (1 + 3e-7)
+    return run_parity(mesh(dp=1), _fp8_reference(recipe), lambda m, _: m,
+                      tiny_batches(CFG.vocab_size, steps=STEPS, batch=8, seq=SEQ), max_norm=0.5,
+                      fb_kwargs={"loss_fn": nudged})
 
 
 @pytest.mark.parametrize("name,recipe", [(n, "tensorwise") for n in LAYOUTS] + [(n, "rowwise") for n in ROWWISE])
 def test_fp8_layouts_match_one_fp8_process(pools, name, recipe):
+    """Within TOL, or, rowwise under tp (whose reductions reorder sums that feed
+    rounding-boundary elements), within FLIP_MARGIN x one process's own flip noise."""
     world, degrees, kwargs = LAYOUTS[name]
     cfg = MOE_CFG if "MoE" in name else CFG
     reports = pools.run(world, _parity, degrees, recipe, kwargs, cfg, timeout=300)
-    worst = assert_parity(reports, TOL)
+    tol = TOL
+    if recipe == "rowwise" and degrees.get("tp", 1) > 1:
+        noise = pools.run(1, _flip_noise, recipe)[0].worst
+        print(f"\none rowwise process' flip noise: {noise:.2g}")
+        tol = max(TOL, FLIP_MARGIN * noise)
+    worst = assert_parity(reports, tol)
     print(f"\n{name} {recipe}: loss {worst.loss:.2g} grad {worst.grad:.2g} ({worst.worst_grad_name}) "
           f"param {worst.param:.2g} norm {worst.grad_norm:.2g}")
 
@@ -107,10 +127,8 @@ def test_what_converts_and_what_stays_high_precision():
 def test_refused_combinations_fail_before_anything_runs():
     from meshtron import Config
     from meshtron.config import ConfigError
-    for flags, words in ((["--tp", "2", "--sp", "--async-tp", "--fp8", "tensorwise"], "--async-tp"),
-                         (["--tp", "2", "--fp8", "rowwise"], "rowwise with --tp")):
-        with pytest.raises(ConfigError, match=words):
-            Config.from_args(flags).validate(2)
+    with pytest.raises(ConfigError, match="--async-tp"):
+        Config.from_args(["--tp", "2", "--sp", "--async-tp", "--fp8", "tensorwise"]).validate(2)
 
 
 def _user_model(rank, world):
