@@ -69,6 +69,7 @@ LAYOUTS = {"one process": (1, dict(dp=1), None),
            "dp2 zero0 (DDP)": (2, dict(dp=2), dict(zero=0)),
            "dp2 zero2, full recompute": (2, dict(dp=2), dict(zero=2, recompute="full")),
            "dp2 zero3 (fp8 all-gather)": (2, dict(dp=2), dict(zero=3)),
+           "dp4 hsdp2 zero3": (4, dict(dp=4), dict(zero=3, hsdp=2)),
            "dp2 x tp2 sp": (4, dict(dp=2, tp=2), dict(sp=True, zero=1)),
            "pp2": (2, dict(dp=1, pp=2), None),
            "MoE ep2 (dense parts FP8)": (2, dict(dp=1, ep=2), dict(zero=1))}
