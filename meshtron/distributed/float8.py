@@ -7,9 +7,9 @@ state and checkpoints stay in high precision (the parameter is the same fp32
 tensor under the same name).
 
   tensorwise  one scale per tensor: e4m3 for inputs and weights, e5m2 for
-              output gradients (cuBLAS's fp8 GEMM, the fastest). Under FSDP the
-              fp32 shards are cast to fp8 before the all-gather (half of bf16's
-              bytes, and the gathered weight is already the GEMM's operand), with
+              output gradients (cuBLAS's fp8 GEMM, the fastest). Under FSDP over
+              dp > 1 ranks the fp32 shards are cast to fp8 before the all-gather
+              (half of bf16's bytes, the gathered weight already the GEMM's operand), with
               every weight's scale computed after the optimizer step in one
               all-reduce (`precompute_scales`). Under TP, SP's all-gathers carry
               fp8 activations (torchao's Float8 TP styles: `tp_plan`).
@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
 RECIPES = ("none", "tensorwise", "rowwise")
-# what a model's own skip list names when a user model gives none
+# the linears meshtron.parallelize leaves in the compute dtype unless told otherwise: output heads, routers
 DEFAULT_SKIP = ("output", "lm_head", "*router*")
 
 
