@@ -153,9 +153,9 @@ def _all_float8(module: nn.Module) -> bool:
 
 @torch.no_grad()
 def precompute_scales(parts: list[nn.Module]) -> None:
-    """The scale of every weight that FSDP gathers in fp8, from its fp32 shards, in
-    one all-reduce per mesh (a MoE block's dense parts and the attention live on
-    different meshes under TP). Run it before the first step (after the weights are
+    """The scale of every weight that FSDP gathers in fp8, from its fp32 shards: one
+    stacked max-reduction per mesh (an all-reduce per mesh axis; a MoE block's dense
+    parts and the attention live on different meshes under TP). Run it before the first step (after the weights are
     initialized or loaded) and after every optimizer step, as the trainer does: a
     stale scale saturates the weights, and without any, torchao's fallback reduces
     each maximum over the dp ranks only, so under FSDP x TP every tp shard would get
