@@ -6,6 +6,10 @@ registered model under any layout.
     torchrun --nproc-per-node 4 benchmarks/bench_train.py --layouts fsdp4,tp2dp2,tp4 --model llama-1B --out $OUT
     python benchmarks/bench_train.py --summarize $OUT/results.jsonl [--peer $OUT/torchtitan.jsonl]
 
+    # FP8 against bf16 on one GPU (notes/fp8.md; torchao installed)
+    python benchmarks/bench_train.py --layouts 1gpu_compile,1gpu_fp8_compile,1gpu_fp8_rowwise_compile \
+        --model llama-1B --untie-embeddings --micro-batch 16 --seq-len 2048 --out $OUT
+
 A layout is a set of recipe flags (LAYOUTS; `_compile` appends --compile); every
 other flag is passed to the recipe as it is (--model, --seq-len, --micro-batch,
 --untie-embeddings, ...). The Trainer is built exactly as recipes/train.py builds
@@ -43,6 +47,8 @@ from meshtron.trainer import init_process_group  # noqa: E402
 
 LAYOUTS = {  # name: (GPUs, recipe flags); bf16 compute, fp32 master weights and reduction throughout
     "1gpu": (1, []),
+    "1gpu_fp8": (1, ["--fp8", "tensorwise"]),            # FP8 matmuls (torchao Float8Linear)
+    "1gpu_fp8_rowwise": (1, ["--fp8", "rowwise"]),
     "fsdp4": (4, ["--dp", "4", "--zero", "1"]),
     "fsdp4_zero3": (4, ["--dp", "4", "--zero", "3"]),
     "tp2dp2": (4, ["--dp", "2", "--tp", "2", "--sp", "--zero", "1"]),
@@ -97,7 +103,15 @@ def _split_even():
         module.split_layers = lambda n, stages, **_: pipeline_parallel.split_layers(n, stages)
 
 
+def _fp8_fp8_gather():
+    """FP8 tensorwise with FSDP gathering fp8 weights on one dp rank too (shipped: from dp 2)."""
+    from meshtron.distributed import float8
+    convert = float8.convert
+    float8.convert = lambda *a, **k: convert(*a, **{**k, "fsdp_all_gather": True})
+
+
 EXPERIMENTS = {  # code paths other than the shipped ones (replaced or proposed), measured against them in one run
+    "fp8-fp8-gather": _fp8_fp8_gather,
     "split-even": _split_even,
     "sac-save-sdpa": _sac_save_sdpa,
     "rope-fp32": lambda: setattr(__import__("meshtron.models.llama.model", fromlist=["x"]), "apply_rope", _rope_fp32),

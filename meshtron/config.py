@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from meshtron.distributed.data_parallel import DTYPES
+from meshtron.distributed.float8 import RECIPES as FP8_RECIPES
 from meshtron.distributed.mesh import AXES
 from meshtron.distributed.pipeline_parallel import SCHEDULES, SPLIT_BACKWARD
 from meshtron.distributed.recompute import MODES
@@ -97,6 +98,10 @@ class ParallelConfig:
     """compute dtype (master weights stay fp32)"""
     reduce_dtype: str = field(default="fp32", metadata={"choices": tuple(DTYPES)})
     """gradient reduction dtype"""
+    fp8: str = field(default="none", metadata={"choices": FP8_RECIPES})
+    ("""FP8 matmuls (torchao Float8Linear, with --dtype bf16): tensorwise or rowwise scales; what stays in the """
+     """compute dtype: embeddings, norms, the output head, MoE routers and experts, the GPT's fused fc1 """
+     """(LinearGeLU) and linears with a dim that is not a multiple of 16""")
 
     def degrees(self) -> dict[str, int]:
         return {a: getattr(self, a) for a in AXES}
@@ -251,6 +256,15 @@ class Config:
         if p.async_tp and not p.sp:
             raise ConfigError("--async-tp overlaps sequence parallelism's all-gathers and reduce-scatters with "
                               "the matmuls: it needs --sp (and --tp > 1)")
+        if p.fp8 != "none" and p.async_tp:
+            raise ConfigError("--fp8 with --async-tp is not supported: the overlapped matmuls are bf16 ones, of "
+                              "weights the fp8 linears hold; use one or the other")
+        if p.fp8 != "none":
+            from meshtron.distributed.float8 import check_available
+            try:
+                check_available()
+            except ImportError as e:
+                raise ConfigError(str(e)) from None
         if c.resume == "auto" and not c.checkpoint_dir:
             raise ConfigError("--resume auto looks for checkpoints in --checkpoint-dir: give one")
         from meshtron.distributed.mesh import resolve_degrees

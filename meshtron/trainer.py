@@ -38,6 +38,7 @@ from meshtron.data import BatchLoader, open_data
 from meshtron.distributed.agree import agree
 from meshtron.distributed.context_parallel import shard_sequence
 from meshtron.distributed.data_parallel import reshard
+from meshtron.distributed.float8 import precompute_scales
 from meshtron.distributed.mesh import batch_slice, degree, init_mesh, world_size
 from meshtron.distributed.pipeline_parallel import Pipeline
 from meshtron.distributed.reduce import sum_over
@@ -145,6 +146,8 @@ class Trainer:
             if c.checkpoint.checkpoint_dir and self.rank == 0:
                 for moved in checkpoint.set_aside_newer(c.checkpoint.checkpoint_dir, self.start):
                     self.log(f"set aside a checkpoint newer than step {self.start}: {moved}")
+        if par.fp8 == "tensorwise":   # the first step's fp8 weight scales, from the weights it starts from
+            precompute_scales(self.parts)
 
     def _hold_checkpoint_dir(self) -> DirectoryLock | None:
         """Rank 0 locks --checkpoint-dir (inside agree(): a live holder stops every
@@ -195,6 +198,8 @@ class Trainer:
         loss, norm = gradients(self.parts, x, y, self.mesh, self.pipeline, self.config, self.microbatches,
                                self.loss_fn)
         self.optimizer.step()
+        if self.config.parallel.fp8 == "tensorwise":   # the next all-gathers' fp8 scales, in one all-reduce
+            precompute_scales(self.parts)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         if getattr(self.model_config, "moe", None) is not None:

@@ -116,14 +116,17 @@ def _noise_step(noise: ParityReport, solo, opt, x, y, kwargs: dict, max_norm, re
 
 
 def _layout_step(report: ParityReport, parts, opt, mesh, pipeline, x, y, micro_batches: int, kwargs: dict, max_norm,
-                 ref: _Reference, canonical) -> None:
-    """The layout's step on this rank's slice of the batch, in micro-batches."""
+                 ref: _Reference, canonical, after_step=None) -> None:
+    """The layout's step on this rank's slice of the batch, in micro-batches;
+    after_step(parts) after its optimizer step."""
     loss = forward_backward(parts, x, y, mesh, microbatches=micro_batches, pipeline=pipeline, **kwargs)
     report.losses.append((ref.loss, float(loss)))
     report.loss = max(report.loss, abs(float(loss) - ref.loss) / abs(ref.loss))
     report.grads((np for m in parts for np in m.named_parameters()), ref.grads, canonical, ref.floor)
     norm = _clip_and_step([p for m in parts for p in m.parameters()], opt, max_norm, mesh,
                           pipeline.norm_parameters() if pipeline else None)
+    if after_step is not None:
+        after_step(parts)
     report.grad_norm = max(report.grad_norm, abs(float(norm) - ref.norm) / ref.norm)
 
 
@@ -148,11 +151,17 @@ def _final_state(report: ParityReport, ref, parts, solo, canonical) -> None:
 
 
 def run_parity(mesh, build_model, parallelize, batches, *, micro_batches: int = 1, lr: float = 1e-3,
-               max_norm: float | None = None, fb_kwargs=None, ref_fb_kwargs=None, noise: bool = False) -> ParityReport:
+               max_norm: float | None = None, fb_kwargs=None, ref_fb_kwargs=None, noise: bool = False,
+               build_ref=None, rank_major: bool = False, after_step=None) -> ParityReport:
     """batches: list of global (x, y) batches, one per optimizer step.
     parallelize(model, mesh) -> the model under the layout, or a Pipeline of its
     stages. Both sides run the trainer's forward_backward, clipping and AdamW;
     the reference is the plain model on the whole batch, in this process.
+
+    build_ref: builds the reference instead of build_model (FP8: the model converted
+    as the layout converts it). rank_major: the reference's micro-batches are the
+    ranks' own, in rank order (FP8 scales each forward's activations by their own
+    maximum). after_step(parts): run after the parallel optimizer step.
 
     noise=True: the reference runs in float64, and one more plain fp32 process runs
     beside it; its errors against float64 (report.noise) are what fp32 rounding alone
@@ -167,9 +176,10 @@ def run_parity(mesh, build_model, parallelize, batches, *, micro_batches: int = 
     # runs differ by ~1e-4 in updated weights. eps=1e-4 (under the grads that
     # matter here, ~1e-3) keeps AdamW's state and update rule but weighs each
     # entry's step by its size, so weight errors track gradient errors.
-    ref = build_model().double() if noise else build_model()
+    build_ref = build_ref or build_model
+    ref = build_ref().double() if noise else build_ref()
     ref_opt = build_optimizer(ref, lr, eps=1e-4)
-    solo = build_model() if noise else None
+    solo = build_ref() if noise else None
     solo_opt = build_optimizer(solo, lr, eps=1e-4) if noise else None
     par = parallelize(build_model(), mesh)
     pipeline = par if isinstance(par, Pipeline) else None
@@ -183,12 +193,13 @@ def run_parity(mesh, build_model, parallelize, batches, *, micro_batches: int = 
         canonical[n] = seen.setdefault(id(p), n)
 
     for x, y in batches:
-        xr, yr = (_in_reference_order(t, count, ref_fb_kwargs.get("microbatches", 1)) for t in (x, y))
+        xr, yr = (t if rank_major else _in_reference_order(t, count, ref_fb_kwargs.get("microbatches", 1))
+                  for t in (x, y))
         step = _reference_step(ref, ref_opt, xr, yr, ref_fb_kwargs, max_norm)
         if noise:
             _noise_step(report.noise, solo, solo_opt, xr, yr, ref_fb_kwargs, max_norm, step, canonical)
         _layout_step(report, parts, par_opt, mesh, pipeline, x.chunk(count)[index], y.chunk(count)[index],
-                     micro_batches, fb_kwargs, max_norm, step, canonical)
+                     micro_batches, fb_kwargs, max_norm, step, canonical, after_step)
         if moe_blocks([ref]):
             _moe_step(report, ref, parts, mesh, pipeline)
     _final_state(report, ref, parts, solo, canonical)

@@ -1,5 +1,7 @@
 """Apply a layout to a model, in torchtitan's order:
 
+0. FP8 (--fp8): nn.Linear layers become torchao Float8Linear before TP, so the
+   plan shards their weights and uses the float8 TP styles (meshtron.distributed.float8);
 1. tensor / sequence parallelism (tp axis): changes what each rank computes,
    so it must see the plain modules;
 2. activation recomputation: wraps blocks that already hold their TP shards;
@@ -28,10 +30,11 @@ from typing import Protocol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from meshtron.distributed import async_tp, float8
 from meshtron.distributed.data_parallel import apply_fsdp, dp_mesh_for
 from meshtron.distributed.mesh import degree
 from meshtron.distributed.recompute import apply_recompute
-from meshtron.distributed.tensor_parallel import parallelize_module
+from meshtron.distributed.tensor_parallel import STYLES, matches, parallelize_module
 from meshtron.distributed.user_pipeline import is_stub
 
 log = logging.getLogger(__name__)
@@ -46,6 +49,8 @@ class LayoutOptions(Protocol):
     reduce_dtype: str       # gradient reduction dtype
     recompute: str          # "none", "selective", "full"
     compile: bool           # torch.compile each block
+    fp8: str                # "none", "tensorwise", "rowwise"
+    async_tp: bool          # async TP's compile pass
 
 
 def apply_compile(blocks: list[nn.Module], options: dict | None = None) -> None:
@@ -54,6 +59,29 @@ def apply_compile(blocks: list[nn.Module], options: dict | None = None) -> None:
     for these compiles only."""
     for block in blocks:
         block.compile(options=options)
+
+
+def apply_fp8(model: nn.Module, mesh: DeviceMesh, config: LayoutOptions, skip=float8.DEFAULT_SKIP) -> None:
+    """--fp8: the model's convertible linears to Float8Linear (first: TP then shards
+    their weights). Tensorwise weights are gathered in fp8 where FSDP shards them over
+    dp > 1 ranks; on one dp rank its gather is a local copy, and casting there to bf16
+    and to fp8 inside the compiled block was the faster of the two (notes/fp8.md)."""
+    fsdp = degree(mesh, "dense_dp") > 1
+    names = float8.convert(model, config.fp8, mesh.device_type, skip=skip, tp=degree(mesh, "tp"),
+                           fsdp_all_gather=fsdp)
+    if names:
+        log.info("fp8 (%s): %d linears, fp8 all-gather %s", config.fp8, len(names), fsdp)
+
+
+def fp8_tp_plan(plan: dict, model: nn.Module, mesh: DeviceMesh, config: LayoutOptions) -> dict:
+    """The TP plan with torchao's float8 styles where --fp8 tensorwise converted the modules."""
+    return float8.tp_plan(plan, model, config.fp8, matches, mesh.device_type)
+
+
+def compile_options(config: LayoutOptions) -> dict | None:
+    """Each block's inductor options: async TP's pass, or FP8 rowwise's cast rounding
+    (the two are never on together: Config.validate)."""
+    return async_tp.compile_options(config) or float8.compile_options(config)
 
 
 def _zero(mesh: DeviceMesh, config: LayoutOptions) -> int | None:
@@ -105,17 +133,20 @@ def find_blocks(model: nn.Module, blocks=None) -> tuple[str, list[nn.Module]]:
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, config: LayoutOptions, *, plan: dict | None = None,
-                blocks=None, dp_mesh: DeviceMesh | None = None) -> nn.Module:
-    """Apply a layout to any model: the TP `plan` (string styles of
-    parallelize_module), then recomputation and compile of each block, then FSDP
-    with one unit per block (on `dp_mesh`, as apply_dp). Tied weights stay tied
-    through every step."""
+                blocks=None, dp_mesh: DeviceMesh | None = None, fp8_skip=float8.DEFAULT_SKIP) -> nn.Module:
+    """Apply a layout to any model: FP8 linears (config.fp8; `fp8_skip`: glob patterns
+    of linears that stay in the compute dtype, the output head's name among them),
+    the TP `plan` (string styles of parallelize_module), then recomputation and
+    compile of each block, then FSDP with one unit per block (on `dp_mesh`, as
+    apply_dp). Tied weights stay tied through every step."""
     what, blocks = find_blocks(model, blocks)
     log.info("parallelize: %s", what)
+    apply_fp8(model, mesh, config, fp8_skip)
     if degree(mesh, "tp") > 1 and plan:
-        parallelize_module(model, mesh, plan)
+        styles = {k: STYLES[v]() if isinstance(v, str) and v in STYLES else v for k, v in plan.items()}
+        parallelize_module(model, mesh, fp8_tp_plan(styles, model, mesh, config))
     apply_recompute(blocks, config.recompute)
     if config.compile:
-        apply_compile(blocks)
+        apply_compile(blocks, float8.compile_options(config))
     apply_dp(model, mesh, config, blocks, dp_mesh=dp_mesh)
     return model

@@ -7,7 +7,7 @@ memory per layer ~ one (B, T, d) tensor).
 selective: matmul outputs are saved, everything cheap is recomputed: the
 element-wise ops (LayerNorm, GeLU, dropout, residual adds) and attention's
 softmax/score path (sdpa), which is where the O(T^2) memory is. The policy
-saves the outputs of aten.mm/addmm/bmm (and of tensor-parallel reductions, so
+saves the outputs of aten.mm/addmm/bmm/_scaled_mm (and of tensor-parallel reductions, so
 recomputing a block does not communicate again) and recomputes the rest.
 
 Each block's class is swapped for a subclass whose forward runs the original
@@ -29,7 +29,10 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 MODES = ("none", "full", "selective")
 
+# FP8 (meshtron.distributed.float8): its matmuls are _scaled_mm, and saving the absolute maxima its
+# scales come from keeps a recomputed block from reducing them again (torchtitan saves them too)
 _SAVE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+         torch.ops.aten._scaled_mm.default, torch.ops.aten.max.default,
          torch.ops._c10d_functional.all_reduce.default, torch.ops._c10d_functional.reduce_scatter_tensor.default}
 
 

@@ -11,7 +11,7 @@ from meshtron.config import ParallelConfig
 from meshtron.distributed import async_tp, expert_parallel
 from meshtron.distributed.context_parallel import apply_cp
 from meshtron.distributed.mesh import degree
-from meshtron.distributed.parallelize import apply_compile, apply_dp
+from meshtron.distributed.parallelize import apply_compile, apply_dp, apply_fp8, compile_options, fp8_tp_plan
 from meshtron.distributed.pipeline_parallel import split_layers
 from meshtron.distributed.recompute import apply_recompute
 from meshtron.distributed.tensor_parallel import (
@@ -63,7 +63,7 @@ def tp_plan(model: nn.Module, sp: bool, loss_parallel: bool, moe: bool = False) 
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig, moe: list[nn.Module] = ()) -> None:
     tp_mesh, sp = tp_mesh_of(mesh), parallel.sp
-    plan = tp_plan(model, sp, parallel.loss_parallel, bool(moe))
+    plan = fp8_tp_plan(tp_plan(model, sp, parallel.loss_parallel, bool(moe)), model, mesh, parallel)
     parallelize_module(model, tp_mesh, async_tp.apply(plan, tp_mesh, parallel), leave=moe)
     norms = [m for n, m in model.named_modules() if n == "norm" or n.endswith(("attn_norm", "mlp_norm"))]
     if sp:
@@ -80,11 +80,17 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig, moe: 
                 fork_rng_per_rank(present[name], tp_mesh)
 
 
+# linears that stay in the compute dtype under --fp8: the head feeds the loss, routers are fp32
+# (fc1, a LinearGeLU, stays too: float8.convertible)
+FP8_SKIP = ("output", "layers.*.mlp.router.*")
+
+
 def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig,
                     dp_mesh: DeviceMesh | None = None) -> None:
-    """Expert parallelism, TP, CP, recompute, compile, FSDP (on `dp_mesh`: apply_dp's)."""
+    """Expert parallelism, FP8, TP, CP, recompute, compile, FSDP (on `dp_mesh`: apply_dp's)."""
     blocks = list(model.layers.values())
     moe = [b.mlp for b in blocks if isinstance(b.mlp, MoE)]
+    apply_fp8(model, mesh, parallel, FP8_SKIP)
     if moe:
         expert_parallel.apply_moe(moe, mesh)
     if degree(mesh, "tp") > 1:
@@ -94,7 +100,7 @@ def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig
                  position_embeddings=[model.pos_embeddings] if model.pos_embeddings is not None else [])
     apply_recompute(blocks, parallel.recompute)
     if parallel.compile:
-        apply_compile(blocks, async_tp.compile_options(parallel))
+        apply_compile(blocks, compile_options(parallel))
     apply_dp(model, mesh, parallel, blocks, experts=[m.experts for m in moe], dp_mesh=dp_mesh)
 
 

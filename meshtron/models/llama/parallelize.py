@@ -12,7 +12,7 @@ from meshtron.config import ParallelConfig
 from meshtron.distributed import async_tp, expert_parallel
 from meshtron.distributed.context_parallel import apply_cp
 from meshtron.distributed.mesh import degree
-from meshtron.distributed.parallelize import apply_compile, apply_dp
+from meshtron.distributed.parallelize import apply_compile, apply_dp, apply_fp8, compile_options, fp8_tp_plan
 from meshtron.distributed.pipeline_parallel import split_layers
 from meshtron.distributed.recompute import apply_recompute
 from meshtron.distributed.tensor_parallel import (
@@ -66,16 +66,21 @@ def tp_plan(model: nn.Module, sp: bool, loss_parallel: bool, moe: bool = False) 
     return {k: v for k, v in plan.items() if any(matches(k, n) for n in present)}
 
 
+# linears that stay in the compute dtype under --fp8: the head feeds the loss, routers are fp32
+FP8_SKIP = ("output", "layers.*.feed_forward.router.*")
+
+
 def parallelize_llama(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig,
                       dp_mesh: DeviceMesh | None = None) -> None:
-    """Expert parallelism, TP, CP, recompute, compile, FSDP (on `dp_mesh`: apply_dp's)."""
+    """Expert parallelism, FP8, TP, CP, recompute, compile, FSDP (on `dp_mesh`: apply_dp's)."""
     blocks = list(model.layers.values())
     moe = [b.feed_forward for b in blocks if isinstance(b.feed_forward, MoE)]
+    apply_fp8(model, mesh, parallel, FP8_SKIP)
     if moe:
         expert_parallel.apply_moe(moe, mesh)
     if degree(mesh, "tp") > 1:
         tp_mesh = tp_mesh_of(mesh)
-        plan = tp_plan(model, parallel.sp, parallel.loss_parallel, bool(moe))
+        plan = fp8_tp_plan(tp_plan(model, parallel.sp, parallel.loss_parallel, bool(moe)), model, mesh, parallel)
         parallelize_module(model, tp_mesh, async_tp.apply(plan, tp_mesh, parallel), leave=moe)
         if parallel.sp:
             cast_output_to_autocast_dtype([m for n, m in model.named_modules()
@@ -85,7 +90,7 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConf
                  attentions=[b.attention for b in blocks])
     apply_recompute(blocks, parallel.recompute)
     if parallel.compile:
-        apply_compile(blocks, async_tp.compile_options(parallel))
+        apply_compile(blocks, compile_options(parallel))
     apply_dp(model, mesh, parallel, blocks, experts=[m.experts for m in moe], dp_mesh=dp_mesh)
 
 
