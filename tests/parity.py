@@ -135,7 +135,7 @@ def _moe_step(report: ParityReport, ref, parts, mesh, pipeline) -> None:
     ref_stats, stats = end_step(moe_blocks([ref])), end_step(moe_blocks(parts))
     if pipeline is not None and degree(mesh, "pp") > 1:
         torch.distributed.all_reduce(stats, group=mesh["pp"].get_group())
-    report.aux = max(report.aux, abs(float(stats[0] - ref_stats[0])) / float(ref_stats[0]))
+    report.aux = max(report.aux, abs(float(stats[0] - ref_stats[0])) / max(float(ref_stats[0]), 1e-12))
 
 
 def _final_state(report: ParityReport, ref, parts, solo, canonical) -> None:
