@@ -25,7 +25,7 @@ reduce-scattered, as the unfused column-parallel head does.
 from __future__ import annotations
 
 import torch
-import torch.distributed._functional_collectives as funcol
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 CHUNK_ELEMENTS = 1 << 28    # fp32 logits of one chunk: C x V/t elements (1 GiB)
@@ -67,8 +67,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             z = hc @ weight.t()
             lse, target_logit = stats(z, local, mine)
             if group is not None:   # one collective per chunk: every rank's lse and target logit
-                both = funcol.all_gather_tensor(torch.stack([lse, target_logit]), 0, group)
-                both = funcol.wait_tensor(both).view(-1, 2, lse.shape[0])
+                mine_both = torch.stack([lse, target_logit])
+                both = mine_both.new_empty((dist.get_world_size(group), *mine_both.shape))
+                dist.all_gather_into_tensor(both, mine_both, group=group)
                 lse, target_logit = torch.logsumexp(both[:, 0], 0), both[:, 1].sum(0)
             loss += torch.where(valid, lse - target_logit, 0.0).sum()
             if need_grad:
