@@ -68,8 +68,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             lse, target_logit = stats(z, local, mine)
             if group is not None:   # one collective per chunk: every rank's lse and target logit
                 mine_both = torch.stack([lse, target_logit])
-                both = mine_both.new_empty((dist.get_world_size(group), *mine_both.shape))
+                both = mine_both.new_empty((dist.get_world_size(group) * 2, mine_both.shape[1]))
                 dist.all_gather_into_tensor(both, mine_both, group=group)
+                both = both.view(-1, 2, mine_both.shape[1])
                 lse, target_logit = torch.logsumexp(both[:, 0], 0), both[:, 1].sum(0)
             loss += torch.where(valid, lse - target_logit, 0.0).sum()
             if need_grad:
