@@ -49,7 +49,7 @@ from torch.distributed.tensor.parallel import PrepareModuleInputOutput, Sequence
 
 from meshtron import models
 from meshtron.distributed.data_parallel import DTYPES
-from meshtron.distributed.fused_loss import CHUNK_ELEMENTS
+from meshtron.distributed.fused_loss import default_chunk
 from meshtron.distributed.mesh import AXES, SUBMESHES
 from meshtron.distributed.pipeline_parallel import stage_ids_of, stage_owner
 from meshtron.distributed.tensor_parallel import matches
@@ -140,7 +140,7 @@ def _units(spec_name: str, cfg, tp: int, sp: bool, loss_parallel: bool, n_stages
 
 def _loss_chunks(tokens: int, width: int) -> list[tuple[int, int]]:
     """(chunk size, how many) of the fused loss' token chunks (distributed.fused_loss)."""
-    chunk = max(1, CHUNK_ELEMENTS // width)
+    chunk = default_chunk(width)
     return [(chunk, tokens // chunk), (tokens % chunk, 1)]
 
 

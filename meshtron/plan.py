@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from meshtron import models
 from meshtron.comm_model import group_size, step_collectives
 from meshtron.config import ParallelConfig
-from meshtron.distributed.fused_loss import CHUNK_ELEMENTS
+from meshtron.distributed.fused_loss import default_chunk
 from meshtron.distributed.mesh import AXES
 from meshtron.distributed.pipeline_parallel import bubble_fraction, check_pipeline
 from meshtron.hardware import GPUS, Hardware, hardware
@@ -160,7 +160,7 @@ def activation_bytes(cfg, par: ParallelConfig, micro_batch: int, seq_len: int, l
     else:
         held = full * layers
     if par.fused_loss:   # one chunk's fp32 logits, and the gradients of the hidden states and the head it keeps
-        logits = 4 * min(tokens, max(1, CHUNK_ELEMENTS // (cfg.vocab_size // t))) * cfg.vocab_size / t \
+        logits = 4 * min(tokens, default_chunk(cfg.vocab_size // t)) * cfg.vocab_size / t \
             + 2 * (tokens * h + cfg.vocab_size / t * h)
     else:
         logits = 4 * tokens * cfg.vocab_size / t

@@ -31,6 +31,12 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 CHUNK_ELEMENTS = 1 << 28    # fp32 logits of one chunk: C x V/t elements (1 GiB)
 
 
+def default_chunk(width: int) -> int:
+    """Tokens per chunk for a head of `width` rows on this rank: the largest power of
+    two whose fp32 logits fit CHUNK_ELEMENTS (few distinct chunk shapes to compile)."""
+    return 1 << max(0, (CHUNK_ELEMENTS // max(1, width)).bit_length() - 1)
+
+
 def _stats(z: torch.Tensor, local: torch.Tensor, mine: torch.Tensor):
     """z (C, V) in the compute dtype -> fp32 logsumexp and target logit (0 where
     the target is not in this rank's columns)."""
@@ -128,8 +134,8 @@ def fused_linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, t
     `ignore_index` not counted. hidden (..., D), weight (V, D), targets (...): the
     hidden's leading shape (a sequence-sharded DTensor's global shape). `weight` may
     be a DTensor split over the vocabulary on one mesh axis (the value is then the
-    same on every rank of it). `chunk`: tokens per chunk (default: CHUNK_ELEMENTS
-    logits). `compiled`: the per-chunk softmax work through torch.compile (GPU)."""
+    same on every rank of it). `chunk`: tokens per chunk (default_chunk).
+    `compiled`: the per-chunk softmax work through torch.compile (GPU)."""
     axis = _vocab_axis(weight)
     h = _local_hidden(hidden, weight, axis)
     if h.shape[:-1] != targets.shape:
@@ -145,7 +151,7 @@ def fused_linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, t
         w = weight.to_local(grad_placements=weight.placements)
     elif isinstance(weight, DTensor):
         w = weight.to_local(grad_placements=weight.placements)
-    chunk = chunk or max(1, CHUNK_ELEMENTS // w.shape[0])
+    chunk = chunk or default_chunk(w.shape[0])
     need_grad = torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)
     return _FusedLinearCrossEntropy.apply(h.flatten(0, -2), w, targets.flatten(), group, start, chunk,
                                           ignore_index, need_grad, compiled)
