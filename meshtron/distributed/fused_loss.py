@@ -48,9 +48,9 @@ def _stats(z: torch.Tensor, local: torch.Tensor, mine: torch.Tensor):
 def _dlogits(z: torch.Tensor, lse: torch.Tensor, local: torch.Tensor, mine: torch.Tensor,
              valid: torch.Tensor) -> torch.Tensor:
     """softmax(z) - onehot(target), zero rows where the target is ignored, in z's dtype."""
-    p = (z.to(lse.dtype) - lse[:, None]).exp()
-    hit = torch.zeros_like(p).scatter_(1, local[:, None], mine[:, None].to(p.dtype))
-    return ((p - hit) * valid[:, None]).to(z.dtype)
+    p = z.to(lse.dtype).sub_(lse[:, None]).exp_()     # in place: one fp32 chunk in eager
+    p[torch.arange(p.shape[0], device=p.device), local] -= mine.to(p.dtype)
+    return p.mul_(valid[:, None]).to(z.dtype)
 
 
 _COMPILED = (torch.compile(_stats, dynamic=False), torch.compile(_dlogits, dynamic=False))
