@@ -116,3 +116,11 @@ def test_model_step_fused_equals_plain(build):
 def test_fused_loss_refuses_a_head_with_bias():
     with pytest.raises(ValueError, match="without bias"):
         FusedLoss(torch.nn.Linear(4, 9))
+
+
+def test_mismatched_shapes_are_refused():
+    h, w, y = _case(2, 5, 4, 9, seed=6)
+    with pytest.raises(ValueError, match="do not match"):
+        fused_linear_cross_entropy_sum(h, w, y[:, :4])
+    with pytest.raises(ValueError, match="do not match"):
+        fused_linear_cross_entropy_sum(h[..., :3], w, y)

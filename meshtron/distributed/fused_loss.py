@@ -136,11 +136,11 @@ def fused_linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, t
     be a DTensor split over the vocabulary on one mesh axis (the value is then the
     same on every rank of it). `chunk`: tokens per chunk (default_chunk).
     `compiled`: the per-chunk softmax work through torch.compile (GPU)."""
+    if hidden.shape[:-1] != targets.shape or hidden.shape[-1] != weight.shape[1]:   # before any collective
+        raise ValueError(f"fused cross-entropy: hidden states {tuple(hidden.shape)} do not match targets "
+                         f"{tuple(targets.shape)} and a head of {tuple(weight.shape)}")
     axis = _vocab_axis(weight)
     h = _local_hidden(hidden, weight, axis)
-    if h.shape[:-1] != targets.shape:
-        raise ValueError(f"fused cross-entropy: hidden states {tuple(h.shape)} do not match targets "
-                         f"{tuple(targets.shape)}")
     group, start, w = None, 0, weight
     if axis is not None:
         mesh = weight.device_mesh
