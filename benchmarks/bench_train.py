@@ -43,7 +43,7 @@ from meshtron.trainer import init_process_group  # noqa: E402
 
 LAYOUTS = {  # name: (GPUs, recipe flags); bf16 compute, fp32 master weights and reduction throughout
     "1gpu": (1, []),
-    "1gpu_unfused": (1, ["--no-fused-loss"]),   # logits, then cross-entropy (the fused head + loss is the default)
+    "1gpu_fused": (1, ["--fused-loss"]),   # the head's matmul and the loss fused, chunk by chunk
     "fsdp4": (4, ["--dp", "4", "--zero", "1"]),
     "fsdp4_zero3": (4, ["--dp", "4", "--zero", "3"]),
     "tp2dp2": (4, ["--dp", "2", "--tp", "2", "--sp", "--zero", "1"]),

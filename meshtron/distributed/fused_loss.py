@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-CHUNK_ELEMENTS = 1 << 28    # fp32 logits of one chunk: C x V/t elements (1 GiB)
+CHUNK_ELEMENTS = 1 << 29    # logits of one chunk: C x V/t elements (2 GiB in fp32, eager)
 
 
 def default_chunk(width: int) -> int:
