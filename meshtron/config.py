@@ -80,8 +80,7 @@ class ParallelConfig:
     loss_parallel: bool = True
     """cross-entropy on vocab-sharded logits under tp (else the logits are gathered)"""
     fused_loss: bool = False
-    """the output head's matmul and the cross-entropy chunk by chunk over the tokens: the logits never exist whole
-    (less memory, slower than the compiled unfused loss on a GPU)"""
+    """the output head's matmul and the cross-entropy chunk by chunk over the tokens (the logits never exist whole)"""
     zero: int = field(default=1, metadata={"choices": (0, 1, 2, 3)})
     """ZeRO stage over the data-parallel axes (0 = DDP)"""
     hsdp: int = 1

@@ -29,8 +29,8 @@ from meshtron.distributed.collectives import CollectiveCounter
 from meshtron.distributed.mesh import init_mesh
 from meshtron.distributed.tied import materialize
 from meshtron.layout import build_model, pipeline_io, resolve_layout
-from meshtron.state import state_bytes
 from meshtron.loss import forward_kwargs
+from meshtron.state import state_bytes
 from meshtron.step import gradients, layout_loss, moe_end_step
 
 GiB = 2 ** 30

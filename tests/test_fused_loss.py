@@ -3,16 +3,17 @@ then F.cross_entropy on the whole logits), one process, fp32: the same loss and
 gradients of the hidden states and of the head, to 1e-6 (norm-relative), on odd
 shapes, ignored labels, chunk sizes that do not divide the token count, a tied
 head, and through a model's forward_backward."""
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from meshtron.distributed.fused_loss import fused_linear_cross_entropy_sum
 from meshtron.loss import IGNORE_INDEX, FusedLoss, cross_entropy_sum, forward_kwargs, output_head
-from dataclasses import replace
-
 from meshtron.models import GPT, gpt_config
-from meshtron.models.llama.model import PRESETS as LLAMA, Llama
+from meshtron.models.llama.model import PRESETS as LLAMA
+from meshtron.models.llama.model import Llama
 from meshtron.step import forward_backward
 
 TOL = 1e-6
