@@ -140,17 +140,15 @@ def fused_linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, t
         raise ValueError(f"fused cross-entropy: hidden states {tuple(hidden.shape)} do not match targets "
                          f"{tuple(targets.shape)} and a head of {tuple(weight.shape)}")
     axis = _vocab_axis(weight)
-    h = _local_hidden(hidden, weight, axis)
-    group, start, w = None, 0, weight
+    group, start = None, 0
     if axis is not None:
         mesh = weight.device_mesh
         vocab, t = weight.shape[0], mesh.size(axis)
         if vocab % t:
             raise ValueError(f"the vocabulary {vocab} does not divide over {t} ranks")
         group, start = mesh.get_group(axis), mesh.get_local_rank(axis) * (vocab // t)
-        w = weight.to_local(grad_placements=weight.placements)
-    elif isinstance(weight, DTensor):
-        w = weight.to_local(grad_placements=weight.placements)
+    h = _local_hidden(hidden, weight, axis)
+    w = weight.to_local(grad_placements=weight.placements) if isinstance(weight, DTensor) else weight
     chunk = chunk or default_chunk(w.shape[0])
     need_grad = torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)
     return _FusedLinearCrossEntropy.apply(h.flatten(0, -2), w, targets.flatten(), group, start, chunk,
