@@ -49,6 +49,7 @@ LAYOUTS = {  # name: (GPUs, recipe flags); bf16 compute, fp32 master weights and
     "1gpu": (1, []),
     "1gpu_fp8": (1, ["--fp8", "tensorwise"]),            # FP8 matmuls (torchao Float8Linear)
     "1gpu_fp8_rowwise": (1, ["--fp8", "rowwise"]),
+    "1gpu_fused": (1, ["--fused-loss"]),                 # the head's matmul and the loss fused, chunk by chunk
     "fsdp4": (4, ["--dp", "4", "--zero", "1"]),
     "fsdp4_zero3": (4, ["--dp", "4", "--zero", "3"]),
     "tp2dp2": (4, ["--dp", "2", "--tp", "2", "--sp", "--zero", "1"]),

@@ -19,7 +19,8 @@ Where each comes from, per micro-batch unless said:
   reduce-scatters their outputs, and the backward mirrors each; without SP an
   all-reduce of each output forward and of each input's gradient backward. The
   embedding and the head add one each way; the vocab-parallel loss three (N,)
-  fp32 all-reduces. SP's norms give Partial gradients, all-reduced over tp.
+  fp32 all-reduces, the fused one (--fused-loss) one all-gather of 2 x C fp32
+  per chunk of C tokens. SP's norms give Partial gradients, all-reduced over tp.
 - CP: the ring passes K and V round (cp - 1 steps forward, again backward) and
   dK, dV in the attention's accumulator (fp32 on GPUs, fp64 on the CPU).
 - EP: per MoE block an all-to-all of the expert counts, of the token copies
@@ -49,6 +50,7 @@ from torch.distributed.tensor.parallel import PrepareModuleInputOutput, Sequence
 
 from meshtron import models
 from meshtron.distributed.data_parallel import DTYPES
+from meshtron.distributed.fused_loss import default_chunk
 from meshtron.distributed.mesh import AXES, SUBMESHES
 from meshtron.distributed.pipeline_parallel import stage_ids_of, stage_owner
 from meshtron.distributed.tensor_parallel import matches
@@ -135,6 +137,12 @@ def _units(spec_name: str, cfg, tp: int, sp: bool, loss_parallel: bool, n_stages
                 units[unit].append(pid)
     out = [("experts" if u.endswith(".experts") else "block" if u else "root", ids) for u, ids in units.items() if ids]
     return out, blocks
+
+
+def _loss_chunks(tokens: int, width: int) -> list[tuple[int, int]]:
+    """(chunk size, how many) of the fused loss' token chunks (distributed.fused_loss)."""
+    chunk = default_chunk(width)
+    return [(chunk, tokens // chunk), (tokens % chunk, 1)]
 
 
 def _padded(shape, k: int) -> int:
@@ -342,7 +350,10 @@ def _tp_head(t: _Tally, s: _Step) -> None:
         t.add("reduce_scatter", "tp", act, m, part="tp")
     else:
         t.add("all_reduce", "tp", act, m, part="tp")
-    if s.par.loss_parallel:
+    if s.par.fused_loss:   # one all-gather of (logsumexp, target logit) per chunk of tokens
+        for chunk, n in _loss_chunks(s.tokens, s.cfg.vocab_size // tp):
+            t.add("all_gather", "tp", 2 * chunk * (8 if s.a == 8 else 4), m * n, part="tp")
+    elif s.par.loss_parallel:
         t.add("all_reduce", "tp", s.tokens * (8 if s.a == 8 else 4), 3 * m, part="tp")
     else:
         t.add("all_gather", "tp", s.tokens * s.cfg.vocab_size // tp * s.a, m, part="tp")

@@ -80,6 +80,8 @@ class ParallelConfig:
     """context-parallel attention: p2p (ring), allgather (K/V) or a2a (Ulysses, heads)"""
     loss_parallel: bool = True
     """cross-entropy on vocab-sharded logits under tp (else the logits are gathered)"""
+    fused_loss: bool = False
+    """the output head's matmul and the cross-entropy chunk by chunk over the tokens (the logits never exist whole)"""
     zero: int = field(default=1, metadata={"choices": (0, 1, 2, 3)})
     """ZeRO stage over the data-parallel axes (0 = DDP)"""
     hsdp: int = 1

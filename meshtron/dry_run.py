@@ -29,6 +29,7 @@ from meshtron.distributed.collectives import CollectiveCounter
 from meshtron.distributed.mesh import init_mesh
 from meshtron.distributed.tied import materialize
 from meshtron.layout import build_model, pipeline_io, resolve_layout
+from meshtron.loss import forward_kwargs
 from meshtron.state import state_bytes
 from meshtron.step import gradients, layout_loss, moe_end_step
 
@@ -78,11 +79,11 @@ def _dry_run_rank(config, world: int, rank: int):
         with FakeTensorMode(allow_non_fake_inputs=True):
             for m in parts:
                 materialize(m, "cpu")
-            loss_fn = layout_loss(mesh, config.parallel, torch.device("cpu"))
+            loss_fn = layout_loss(mesh, config.parallel, torch.device("cpu"), parts)
             tokens = torch.zeros(global_batch // (degrees["dp"] * degrees["ep"]), config.training.seq_len,
                                  dtype=torch.long)
             if pipeline is not None:   # torch 2.11's first step also warms each pipeline link (4 bytes)
-                pipeline.build_schedule(loss_fn, pipeline_io(mc, config, mesh))
+                pipeline.build_schedule(loss_fn, pipeline_io(mc, config, mesh), forward_kwargs(loss_fn))
                 _answer_the_vote(pipeline.schedule)
                 gradients(parts, tokens, tokens, mesh, pipeline, config, microbatches, loss_fn)
             with CollectiveCounter(mesh) as count:

@@ -79,4 +79,5 @@ def pipeline_io(mc, config: Config, mesh: DeviceMesh) -> tuple[torch.Tensor, tor
     schedule need not learn them by running every stage on its first step."""
     par, tr = config.parallel, config.training
     sp = degree(mesh, "tp") if par.sp else 1
-    return stage_io(tr.micro_batch, tr.seq_len // degree(mesh, "cp"), mc.dim, mc.vocab_size, DTYPES[par.dtype], sp)
+    return stage_io(tr.micro_batch, tr.seq_len // degree(mesh, "cp"), mc.dim, mc.vocab_size, DTYPES[par.dtype], sp,
+                    hidden_out=par.fused_loss)

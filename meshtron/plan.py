@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from meshtron import models
 from meshtron.comm_model import group_size, step_collectives
 from meshtron.config import ParallelConfig
+from meshtron.distributed.fused_loss import default_chunk
 from meshtron.distributed.mesh import AXES
 from meshtron.distributed.pipeline_parallel import bubble_fraction, check_pipeline
 from meshtron.hardware import GPUS, Hardware, hardware
@@ -147,7 +148,8 @@ def _layer_elements(cfg, t: int, sp: bool) -> float:
 
 def activation_bytes(cfg, par: ParallelConfig, micro_batch: int, seq_len: int, layers: int) -> float:
     """One micro-batch's saved activations over `layers` layers on one rank (bf16),
-    and the fp32 log-probabilities cross-entropy keeps for its backward."""
+    and the fp32 log-probabilities cross-entropy keeps for its backward (with
+    --fused-loss: one chunk of them, and the gradients the fused loss keeps)."""
     d = par.degrees()
     tokens, h, t = micro_batch * seq_len / d["cp"], cfg.dim, d["tp"]
     full = 2 * tokens * _layer_elements(cfg, t, par.sp)
@@ -157,7 +159,11 @@ def activation_bytes(cfg, par: ParallelConfig, micro_batch: int, seq_len: int, l
         held = tokens * h * (20 / t if par.sp else 2 + 18 / t) * layers
     else:
         held = full * layers
-    logits = 4 * tokens * cfg.vocab_size / t
+    if par.fused_loss:   # one chunk's fp32 logits, and the gradients of the hidden states and the head it keeps
+        logits = 4 * min(tokens, default_chunk(cfg.vocab_size // t)) * cfg.vocab_size / t \
+            + 2 * (tokens * h + cfg.vocab_size / t * h)
+    else:
+        logits = 4 * tokens * cfg.vocab_size / t
     return held + logits / max(1, d["pp"])
 
 

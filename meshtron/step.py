@@ -24,7 +24,7 @@ from meshtron.distributed.data_parallel import set_grad_sync
 from meshtron.distributed.mesh import degree
 from meshtron.distributed.pipeline_parallel import Pipeline
 from meshtron.distributed.reduce import clip_grad_norm_, sum_over
-from meshtron.loss import IGNORE_INDEX, cross_entropy_sum, logits_of, loss_function
+from meshtron.loss import IGNORE_INDEX, cross_entropy_sum, forward_kwargs, logits_of, loss_function, output_head
 from meshtron.models.common.moe import end_step, moe_blocks
 
 
@@ -59,16 +59,19 @@ def forward_backward(parts: list[nn.Module], x: torch.Tensor, y: torch.Tensor, m
         for i, (xs, ys) in enumerate(zip(x.chunk(microbatches), y.chunk(microbatches))):
             set_grad_sync(model, zero, i == microbatches - 1)
             with amp:
-                logits = logits_of(model(xs))
+                logits = logits_of(model(xs, **forward_kwargs(loss_fn)))
             loss = loss_fn(logits, ys) * scale
             loss.backward()
             total += _value(loss)
     return sum_over(total, mesh, "loss") / n_dp
 
 
-def layout_loss(mesh: DeviceMesh, par, device: torch.device):
-    """The loss function for the layout (vocab-parallel cross-entropy where tp shards the logits)."""
-    return loss_function(device, degree(mesh, "tp") > 1 and par.loss_parallel)
+def layout_loss(mesh: DeviceMesh, par, device: torch.device, parts: list[nn.Module] = ()):
+    """The loss function for the layout: with --fused-loss and a model whose `parts`
+    hold an output head, the fused head + cross-entropy; else vocab-parallel
+    cross-entropy where tp shards the logits, or the plain one."""
+    head = output_head(parts) if par.fused_loss else None
+    return loss_function(device, degree(mesh, "tp") > 1 and par.loss_parallel, head)
 
 
 def gradients(parts: list[nn.Module], x: torch.Tensor, y: torch.Tensor, mesh: DeviceMesh, pipeline: Pipeline | None,

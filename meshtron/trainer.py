@@ -45,7 +45,7 @@ from meshtron.distributed.reduce import sum_over
 from meshtron.distributed.tied import materialize
 from meshtron.layout import build_model, pipeline_io, resolve_layout
 from meshtron.lifetime import DirectoryLock, describe, die_with_agent, under_torchrun
-from meshtron.loss import IGNORE_INDEX, logits_of
+from meshtron.loss import IGNORE_INDEX, forward_kwargs, logits_of
 from meshtron.metrics import RunLog, Throughput, peak_memory_gib
 from meshtron.optim import build_optimizer, warmup_cosine
 from meshtron.step import _value, gradients, layout_loss, moe_end_step
@@ -133,10 +133,10 @@ class Trainer:
             weights = c.checkpoint.init_from_hf or c.checkpoint.import_safetensors
             if weights:
                 hf.import_safetensors(self.parts, weights, mc, self.spec.hf)
-        self.loss_fn = layout_loss(self.mesh, par, self.device)
+        self.loss_fn = layout_loss(self.mesh, par, self.device, self.parts)
         self.moe_stats = None   # the last step's routing statistics (mixture-of-experts models)
         if self.pipeline is not None:
-            self.pipeline.build_schedule(self.loss_fn, pipeline_io(mc, c, self.mesh))
+            self.pipeline.build_schedule(self.loss_fn, pipeline_io(mc, c, self.mesh), forward_kwargs(self.loss_fn))
         self.start = 0
         if self.resume_from:
             self.start = checkpoint.load(self.resume_from, self.parts, self.optimizer, self.scheduler, self.loader,
@@ -223,7 +223,7 @@ class Trainer:
             if self.pipeline is not None:
                 s = sum_over(self.pipeline.evaluate(x, y), self.mesh, "pp")
             else:
-                s = sum(_value(self.loss_fn(logits_of(self.parts[0](xs)), ys))
+                s = sum(_value(self.loss_fn(logits_of(self.parts[0](xs, **forward_kwargs(self.loss_fn))), ys))
                         for xs, ys in zip(x.chunk(self.microbatches), y.chunk(self.microbatches)))
             total = total + sum_over(s, self.mesh, "loss")
         reshard(self.parts)

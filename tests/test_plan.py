@@ -73,14 +73,18 @@ LAYOUTS = {
 
 # layouts the dry run alone plays (it counts what gloo counts for the layouts above): the
 # planner's collectives against it under recompute, bf16 with accumulation, the other CP
-# variants, DDP over two axes, MoE with TP, capacity or a pipeline
+# variants, DDP over two axes, MoE with TP, capacity or a pipeline, the fused loss under tp (one
+# all-gather per chunk)
 DRY_ONLY = {
-    2: [["--model", "llama-moe-tiny", "--dp", "2", "--moe-capacity", "1.25"]],
+    2: [["--model", "llama-moe-tiny", "--dp", "2", "--moe-capacity", "1.25"],
+        ["--model", "tiny", "--tp", "2", "--fused-loss", "--global-batch", "4", "--micro-batch", "1"]],
     4: [["--model", "tiny", "--dp", "2", "--tp", "2", "--sp", "--zero", "3", "--recompute", "full"],
         ["--model", "tiny", "--dp", "2", "--tp", "2", "--sp", "--zero", "2", "--recompute", "selective",
          "--microbatches", "2"],
         ["--model", "llama-tiny", "--dp", "2", "--tp", "2", "--sp", "--zero", "1", "--dtype", "bf16",
          "--microbatches", "2"],
+        ["--model", "llama-tiny", "--dp", "2", "--tp", "2", "--sp", "--zero", "3", "--dtype", "bf16",
+         "--fused-loss"],
         ["--model", "llama-tiny", "--dp", "2", "--cp", "2", "--cp-comm", "allgather", "--zero", "2"],
         ["--model", "llama-tiny", "--dp", "2", "--cp", "2", "--zero", "0"],   # DDP's all-reduce over dp+cp
         ["--model", "llama-tiny", "--cp", "2", "--cp-comm", "a2a", "--tp", "2", "--recompute", "full"],

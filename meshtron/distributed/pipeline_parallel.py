@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -125,16 +125,18 @@ def stage_owner(stage: int, pp: int, virtual: int, schedule: str) -> int:
 
 
 def stage_io(micro_batch: int, tokens: int, dim: int, vocab: int, dtype: torch.dtype,
-             sp: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             sp: int = 1, hidden_out: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What one micro-batch of a decoder feeds its first stage (token ids), passes
     between stages (hidden states, this rank's 1/sp of the sequence under sequence
     parallelism) and gets out of its last (logits, a vocab-sharded DTensor's whole
-    shape), as meta tensors for Pipeline.build_schedule. `tokens`: the sequence
-    length a rank holds (T/cp); `dtype`: the one the blocks compute in."""
+    shape; `hidden_out`: the final hidden states, a sequence-sharded DTensor's whole
+    shape, for a loss that runs the head), as meta tensors for Pipeline.build_schedule.
+    `tokens`: the sequence length a rank holds (T/cp); `dtype`: the one the blocks
+    compute in."""
     grad = dict(dtype=dtype, device="meta", requires_grad=True)   # their gradients travel back
     return (torch.empty(micro_batch, tokens, dtype=torch.long, device="meta"),
             torch.empty(micro_batch, tokens // sp, dim, **grad),
-            torch.empty(micro_batch, tokens, vocab, **grad))
+            torch.empty(micro_batch, tokens, dim if hidden_out else vocab, **grad))
 
 
 def build_stage(model: nn.Module, keep: set[str], split: set[str]) -> nn.Module:
@@ -166,6 +168,7 @@ class Pipeline:
     token_ids: bool = False     # every stage gets the micro-batch's token ids as `ids` (a user model's stages)
     schedule: object = None
     loss_fn: object = None
+    stage_kwargs: dict = field(default_factory=dict)
     loss_scale: torch.Tensor | float = 1.0
 
     @property
@@ -179,9 +182,12 @@ class Pipeline:
     def _by_stage(self) -> dict[int, nn.Module]:
         return dict(zip(self.stage_ids, self.parts))
 
-    def build_schedule(self, loss_fn, io: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+    def build_schedule(self, loss_fn, io: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                       stage_kwargs: dict | None = None) -> None:
         """`loss_fn(output, target)`: a micro-batch's summed token loss. Each step
         scales it (`step`), and the schedule sums micro-batches without dividing.
+        `stage_kwargs`: what every stage's forward is called with besides its input
+        ({"return_hidden": True} where the loss runs the output head itself).
 
         `io`: what one micro-batch feeds the first stage, passes between stages and
         gets out of the last (meta tensors, `stage_io`). Given, torch takes the
@@ -207,7 +213,7 @@ class Pipeline:
             # buffers for the second (functorch's switch is process-wide)
             import torch._functorch.config as functorch_config
             functorch_config.donated_buffer = False
-        self.loss_fn = loss_fn
+        self.loss_fn, self.stage_kwargs = loss_fn, dict(stage_kwargs or {})
         self.schedule = cls(stages if self.schedule_name in MULTI_STAGE else stages[0], self.microbatches,
                             loss_fn=self._scaled_loss, scale_grads=False)
         # else the last stage keeps every micro-batch's logits until the step ends (older torch cannot say so)
@@ -226,7 +232,7 @@ class Pipeline:
         # contiguous, as the shapes given to torch are (the loader's are views of longer windows)
         args = (x.contiguous(),) if self.has_first else ()
         kwargs = {"target": y, "losses": losses, **self._step_options} if self.has_last else {}
-        self.schedule.step(*args, **kwargs, **self._ids(x))
+        self.schedule.step(*args, **kwargs, **self._ids(x), **self.stage_kwargs)
         self.tied.sum_grads(self._by_stage(), reduce_partial_grads)
         losses = [(t.full_tensor() if isinstance(t, DTensor) else t).detach().float() for t in losses]
         return torch.stack(losses).sum() if losses else torch.zeros((), device=x.device)
@@ -237,7 +243,9 @@ class Pipeline:
         self.loss_scale = 1.0
         losses = []
         args = (x.contiguous(),) if self.has_first else ()
-        kwargs = {"target": y, "losses": losses, **self._ids(x)} if self.has_last else self._ids(x)
+        kwargs = {**self._ids(x), **self.stage_kwargs}
+        if self.has_last:
+            kwargs |= {"target": y, "losses": losses}
         if hasattr(self.schedule, "eval"):   # torch 2.13; older schedules take the switch it sets
             self.schedule.eval(*args, **kwargs)
         else:

@@ -215,8 +215,11 @@ class GPT(nn.Module):
         if seed is not None and self.output.weight.device.type != "meta":
             self.init_weights(seed)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
-        """tokens (B, T) int64 -> logits (B, T, vocab). A pipeline stage that lost
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
+                return_hidden: bool = False) -> torch.Tensor:
+        """tokens (B, T) int64 -> logits (B, T, vocab), or with `return_hidden` the
+        final (normed) hidden states, for a loss that runs the head itself
+        (meshtron.loss.FusedLoss). A pipeline stage that lost
         its embedding takes hidden states (B, T, dim) instead (T may be a sequence-
         parallel slice, so positions default to 0..T-1 where the full T is known);
         one that lost its output returns hidden states. `cache` (a KVCache) keeps
@@ -232,7 +235,7 @@ class GPT(nn.Module):
             h = layer(h, positions, cache=cache.layer(int(i)) if cache is not None else None)
         if self.norm is not None:
             h = self.norm(h)
-        if self.output is not None:
+        if self.output is not None and not return_hidden:
             h = self.output(h)
         return h
 

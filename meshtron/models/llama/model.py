@@ -222,17 +222,19 @@ class Llama(nn.Module):
         if seed is not None and self.output.weight.device.type != "meta":
             self.init_weights(seed)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
+                return_hidden: bool = False) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, vocab); a pipeline stage without the
         embedding takes hidden states, one without the head returns them. `cache`
         (a KVCache) keeps keys and values for generation; `positions` are then
-        the new tokens'."""
+        the new tokens'. `return_hidden`: the final (normed) hidden states instead
+        of the logits, for a loss that runs the head itself (meshtron.loss.FusedLoss)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for i, layer in self.layers.items():
             h = layer(h, positions, cache=cache.layer(int(i)) if cache is not None else None)
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        return self.output(h) if self.output is not None and not return_hidden else h
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
