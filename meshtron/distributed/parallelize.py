@@ -11,13 +11,15 @@ A model spec's parallelize function (meshtron.models.*) applies its own TP plan
 and calls `apply_recompute`, `apply_compile` and `apply_dp` on its blocks; any
 other model goes through `parallelize(model, mesh, config, plan=, blocks=)`.
 
-Every step is skipped when its axis has size 1, so an unused axis costs nothing;
-except that bf16 (or fp16) training always goes through FSDP2's mixed precision,
-at dp = 1 too: bf16 weights and activations, the residual stream included, with
-fp32 master weights, as Megatron's mixed precision, and the same numerics at
-every dp degree (on a size-1 mesh its gathers are local copies). Autocast on
-fp32 weights instead keeps an fp32 residual stream and recasts every weight each
-forward, which is slower (benchmarks/RESULTS.md).
+Every step is skipped when its axis has size 1, so an unused axis costs nothing.
+bf16 (or fp16) training on more than one rank goes through FSDP2's mixed
+precision, at dp = 1 too (tp, cp or pp > 1): bf16 weights and activations, the
+residual stream included, with fp32 master weights, as Megatron's mixed
+precision. One process (--mixed-precision autocast, the default) skips FSDP:
+torch.autocast on its fp32 weights, the embeddings' outputs cast to bf16 so that
+the residual stream is bf16 as under FSDP (data_parallel.cast_embeddings); FSDP on
+a one-rank mesh only adds copies into and out of buffers that move nothing
+(notes/perf.md). --mixed-precision fsdp keeps FSDP there.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshtron.config import ParallelConfig
-from meshtron.distributed.data_parallel import apply_fsdp
+from meshtron.distributed.data_parallel import apply_fsdp, autocast_dtype, cast_embeddings
 from meshtron.distributed.mesh import degree
 from meshtron.distributed.pipeline_parallel import is_stub
 from meshtron.distributed.recompute import apply_recompute
@@ -48,9 +50,12 @@ def apply_compile(blocks: list[nn.Module], options: dict | None = None) -> None:
 def apply_dp(model: nn.Module, mesh: DeviceMesh, config: ParallelConfig, blocks: list[nn.Module],
              experts: list[nn.Module] = ()) -> None:
     """FSDP over the dense data-parallel sub-mesh, one unit per block plus the root
-    (and one per experts module, over expert_dp)."""
+    (and one per experts module, over expert_dp); on one process under autocast,
+    only the cast of the embeddings' outputs."""
     n = degree(mesh, "dense_dp")
-    if n > 1 or config.dtype != "fp32":
+    if autocast_dtype(mesh, config.dtype, config.mixed_precision) is not None:
+        cast_embeddings(model)
+    elif n > 1 or config.dtype != "fp32":
         zero = config.zero if n > 1 else 1   # nothing to shard over
         apply_fsdp(model, mesh, blocks, zero, config.hsdp, config.dtype, config.reduce_dtype, experts)
 
