@@ -59,6 +59,7 @@ def forward_backward(parts: list[nn.Module], x: torch.Tensor, y: torch.Tensor, m
             with amp(device, autocast):
                 logits = logits_of(model(xs))
             loss = loss_fn(logits, ys) * scale
+            del logits   # the loss saved what its backward needs: the logits go once that has run
             loss.backward()
             total += _value(loss)
     return sum_over(total, mesh, "loss") / n_dp
