@@ -118,27 +118,6 @@ def _compile_whole():
     return [(llama, "apply_compile", lambda blocks, options=None: None), (llama, "apply_dp", whole)]
 
 
-def _rope_inline():
-    """The Llama's rotary angles computed inside each attention (before the shared table)."""
-    from meshtron.models.llama import model as llama
-
-    def forward(self, x, positions=None, cache=None):
-        B, T = x.shape[0], x.shape[1]
-        if positions is None:
-            positions = torch.arange(T, device=x.device)
-        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        inv_freq = torch.atan2(self.rotary.sin[1], self.rotary.cos[1])   # the angles of position 1
-        angles = positions.float()[:, None] * inv_freq[None, :]
-        cos, sin = angles.cos(), angles.sin()
-        q, k = llama.apply_rope(q, cos, sin), llama.apply_rope(k, cos, sin)
-        if cache is not None:
-            k, v = cache.update(k, v)
-        return self.wo(self.core(q, k, v).transpose(1, 2).reshape(B, T, -1))
-    return [(llama.Attention, "forward", forward)]
-
-
 def _expandable():
     torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     return [(None, "expandable", lambda: torch.cuda.memory._set_allocator_settings("expandable_segments:False"))]
@@ -147,7 +126,6 @@ def _expandable():
 # per-layout options, `layout+option+...`: (module, name, value) patches for the build, undone after
 OPTIONS = {
     "whole": _compile_whole,
-    "rope-inline": _rope_inline,
     "expandable": _expandable,   # the allocator's expandable segments from this layout's build on
     "cudnn": lambda: [], "flash": lambda: [],   # the SDPA backend tried first around each step
 }

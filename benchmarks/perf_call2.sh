@@ -1,5 +1,6 @@
 #!/bin/bash
 # notes/perf.md, GPU call 2: the chosen one-GPU bf16 path beside torchtitan 0.2.2 (kit .peer, same call, same GPU)
+# (the recorded run, at commit 228afe2, also timed a shared rotary table against the inline rope: no difference; reverted)
 set -u
 OUT=${OUT:-/tmp/perf}; mkdir -p $OUT
 nvidia-smi -L
@@ -9,7 +10,7 @@ STEPS=15 LOG_FREQ=5 T_COMPILE=150 OUT=$OUT bash ../.peer/run.sh llama1b_1gpu_com
 export PYTORCH_ALLOC_CONF=expandable_segments:True
 B="python benchmarks/bench_train.py --untie-embeddings --seq-len 2048 --warmup 3 --rounds 3 --steps 4"
 run() { local t=$1; shift; timeout -k 10 $t "$@" 2>&1 | grep -v -i warn | grep -E "^\{|Error|error" | cut -c1-300; }
-run 120 $B --model llama-1B --micro-batch 16 --layouts 1gpu_compile,1gpu_compile+rope-inline --out $OUT/m1
+run 120 $B --model llama-1B --micro-batch 16 --layouts 1gpu_compile --out $OUT/m1
 run 75 $B --model llama-3B --micro-batch 8 --layouts 1gpu_compile --out $OUT/m3
 cat $OUT/m1/results.jsonl $OUT/m3/results.jsonl > $OUT/results.jsonl
 python - $OUT <<'PY'

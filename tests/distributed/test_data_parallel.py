@@ -385,20 +385,24 @@ def test_bf16_at_dp1_matches_dp2(pools, mixed_precision):
     print(f"\nbf16 losses dp=1 ({mixed_precision}) {one}, dp=2 {two}", end="")
 
 
-def _autocast_and_fsdp_vs_fp32(rank, world):
+def _autocast_and_fsdp_vs_fp32(rank, world, model):
     """One process, bf16, 3 steps of 2 micro-batches with clipping, each of the two
     one-process paths (autocast without FSDP; FSDP's policy on a one-rank mesh)
     against one fp32 process on the same weights and batches."""
+    from meshtron import models
     me = mesh(dp=1)
+    spec, cfg = models.get(model)
+    batches = tiny_batches(cfg.vocab_size, steps=3, batch=8, seq=16)
     out = {}
     for mp in ("autocast", "fsdp"):
         pcfg = ParallelConfig(zero=1, dtype="bf16", mixed_precision=mp)
-        out[mp] = run_parity(me, build, layout(pcfg), BATCHES, micro_batches=2, max_norm=0.05,
-                             fb_kwargs=fb_kwargs(me, pcfg))
+        out[mp] = run_parity(me, lambda: spec.model_cls(cfg, seed=0), layout(pcfg, spec), batches, micro_batches=2,
+                             max_norm=0.05, fb_kwargs=fb_kwargs(me, pcfg))
     return out
 
 
-def test_one_process_autocast_errs_as_fsdp_one_rank_mesh(pools):
+@pytest.mark.parametrize("model", ["tiny", "llama-tiny", "llama-moe-tiny"])
+def test_one_process_autocast_errs_as_fsdp_one_rank_mesh(pools, model):
     """The one-process bf16 path (no FSDP) against the path it replaces (FSDP's
     policy on a one-rank mesh), each measured against fp32: per metric, autocast may
     err by max(twice FSDP's error, bf16's roundoff 2^-8), the tolerance every dp > 1
@@ -406,10 +410,10 @@ def test_one_process_autocast_errs_as_fsdp_one_rank_mesh(pools):
     Both cast the same fp32 weights to bf16 and run a bf16 residual stream; they
     differ only where a bf16 weight's own rounding enters (the norms' weights, which
     autocast keeps fp32, and their gradients, formed in fp32)."""
-    r = pools.run(1, _autocast_and_fsdp_vs_fp32)[0]
+    r = pools.run(1, _autocast_and_fsdp_vs_fp32, model)[0]
     for metric in ("loss", "grad", "param", "grad_norm"):
         got, floor = getattr(r["autocast"], metric), getattr(r["fsdp"], metric)
         assert got <= max(2 * floor, BF16_ROUNDOFF), (metric, got, floor)
     assert r["autocast"].grad > 100 * FP32_TOL    # bf16 compute really happened
-    _report("bf16 one process, autocast, vs fp32", r["autocast"])
-    _report("bf16 one process, FSDP one rank, vs fp32", r["fsdp"])
+    _report(f"{model} bf16 one process, autocast, vs fp32", r["autocast"])
+    _report(f"{model} bf16 one process, FSDP one rank, vs fp32", r["fsdp"])

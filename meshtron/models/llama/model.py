@@ -120,40 +120,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-class Rotary(nn.Module):
-    """cos and sin of the rotary angles of every position up to max_seq_len, (positions,
-    hd/2) fp32 each, one table shared by all attention layers and looked up per call.
-    Computed inside a compiled attention instead, inductor fuses the angles into the
-    rotation and evaluates a sin and a cos for every element of q and k."""
-
-    def __init__(self, cfg: LlamaConfig):
-        super().__init__()
-        self.config = cfg
-        cos, sin = self.table(torch.get_default_device())
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
-
-    def table(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.device("cpu"):
-            inv_freq = rope_inv_freq(self.config).to(device)
-        angles = torch.arange(self.config.max_seq_len, device=device).float()[:, None] * inv_freq[None, :]
-        return angles.cos(), angles.sin()
-
-    @torch.no_grad()
-    def reset(self) -> None:
-        """Recompute the table where the buffers now live (built on meta, they are empty)."""
-        cos, sin = self.table(self.cos.device)
-        self.cos.copy_(cos)
-        self.sin.copy_(sin)
-
-    def forward(self, positions: torch.Tensor | None, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # gathered copies, not views: autograd saves them, and a view would tie them to
-        # the buffers' version (the pipeline restores buffers after its shape inference)
-        if positions is None:
-            positions = torch.arange(seq_len, device=self.cos.device)
-        return self.cos[positions], self.sin[positions]
-
-
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, statistics in fp32; the Triton kernel on GPU."""
 
@@ -185,7 +151,7 @@ class CoreAttention(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, rotary: Rotary | None = None):
+    def __init__(self, cfg: LlamaConfig):
         super().__init__()
         hd = cfg.head_dim
         self.head_dim = hd
@@ -194,14 +160,17 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
-        self.rotary = rotary if rotary is not None else Rotary(cfg)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         B, T = x.shape[0], x.shape[1]      # the full sequence: under SP the input was all-gathered
+        if positions is None:
+            positions = torch.arange(T, device=x.device)
         q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)    # (B, local heads, T, hd)
         k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)    # (B, local KV heads, T, hd)
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        cos, sin = self.rotary(positions, T)
+        angles = positions.float()[:, None] * self.inv_freq[None, :]
+        cos, sin = angles.cos(), angles.sin()
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:    # generation: a whole prompt first, then one token at a time
             k, v = cache.update(k, v)
@@ -228,10 +197,10 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig, rotary: Rotary | None = None):
+    def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_kernels)
-        self.attention = Attention(cfg, rotary)
+        self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_kernels)
         self.feed_forward = MoE(cfg.dim, cfg.moe) if cfg.moe else FeedForward(cfg)
 
@@ -245,8 +214,7 @@ class Llama(nn.Module):
         super().__init__()
         self.config = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        rotary = Rotary(cfg)   # one table, shared by every layer's attention
-        self.layers = nn.ModuleDict({str(i): Block(cfg, rotary) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_kernels)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -270,7 +238,7 @@ class Llama(nn.Module):
     def init_weights(self, seed: int = 0) -> None:
         """N(0, 0.02), the output projections of each residual branch (wo, w2) scaled
         by 1/sqrt(2L), norms 1, each drawn by parameter name; the rotary
-        table recomputed (a buffer, left empty by building on meta)."""
+        frequencies recomputed (a buffer, left empty by building on meta)."""
         std = 0.02
         out_std = std / math.sqrt(2 * self.config.n_layers)
         moe = {f"{n}.": m for n, m in self.named_modules() if isinstance(m, MoE)}
@@ -287,5 +255,5 @@ class Llama(nn.Module):
                 full = normal(p.shape, out_std if name.endswith(("wo.weight", "w2.weight")) else std, seed, key)
             fill(p, full)
         for m in self.modules():
-            if isinstance(m, Rotary):
-                m.reset()
+            if isinstance(m, Attention):
+                m.inv_freq.copy_(rope_inv_freq(self.config))
