@@ -98,8 +98,7 @@ class ParallelConfig:
     reduce_dtype: str = field(default="fp32", metadata={"choices": tuple(DTYPES)})
     """gradient reduction dtype"""
     mixed_precision: str = field(default="autocast", metadata={"choices": ("autocast", "fsdp")})
-    """how one process computes in --dtype bf16/fp16: torch.autocast on its fp32 weights, or FSDP2's policy on a
-    one-rank mesh (more ranks always use FSDP2's)"""
+    """one process's bf16/fp16: torch.autocast on fp32 weights, or FSDP2's policy on a one-rank mesh"""
 
     def degrees(self) -> dict[str, int]:
         return {a: getattr(self, a) for a in AXES}

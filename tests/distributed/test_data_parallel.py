@@ -17,7 +17,7 @@ from meshtron.optim import build_optimizer
 from meshtron.step import forward_backward
 
 from harness import mesh
-from parity import assert_parity, fb_kwargs, full, layout, rel_err, run_parity, tiny_batches
+from parity import assert_parity, fb_kwargs, layout, run_parity, tiny_batches
 
 CFG = gpt_config("tiny", n_layers=2)
 BATCHES = tiny_batches(CFG.vocab_size, steps=3, batch=8, seq=16)
