@@ -50,6 +50,7 @@ LAYOUTS = {  # name: (GPUs, recipe flags); bf16 compute, fp32 master weights and
     "1gpu_fp8": (1, ["--fp8", "tensorwise"]),            # FP8 matmuls (torchao Float8Linear)
     "1gpu_fp8_rowwise": (1, ["--fp8", "rowwise"]),
     "1gpu_fused": (1, ["--fused-loss"]),                 # the head's matmul and the loss fused, chunk by chunk
+    "1gpu_fsdp": (1, ["--mixed-precision", "fsdp"]),   # bf16 through FSDP2 on a one-rank mesh (before)
     "fsdp4": (4, ["--dp", "4", "--zero", "1"]),
     "fsdp4_zero3": (4, ["--dp", "4", "--zero", "3"]),
     "tp2dp2": (4, ["--dp", "2", "--tp", "2", "--sp", "--zero", "1"]),
@@ -121,7 +122,40 @@ EXPERIMENTS = {  # code paths other than the shipped ones (replaced or proposed)
 }
 
 
+def _compile_whole():
+    """torch.compile the whole Llama (embedding, blocks, norm, head) instead of each block."""
+    from meshtron.models.llama import parallelize as llama
+    apply_dp = llama.apply_dp
+
+    def whole(model, mesh, par, blocks, experts=()):
+        apply_dp(model, mesh, par, blocks, experts=experts)
+        model.compile()
+    return [(llama, "apply_compile", lambda blocks, options=None: None), (llama, "apply_dp", whole)]
+
+
+def _expandable():
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    return [(None, "expandable", lambda: torch.cuda.memory._set_allocator_settings("expandable_segments:False"))]
+
+
+# per-layout options, `layout+option+...`: (module, name, value) patches for the build, undone after
+OPTIONS = {
+    "whole": _compile_whole,
+    "expandable": _expandable,   # the allocator's expandable segments from this layout's build on
+    "cudnn": lambda: [], "flash": lambda: [],   # the SDPA backend tried first around each step
+}
+
+
+def split_options(name: str) -> tuple[str, list[str]]:
+    base, *opts = name.split("+")
+    for o in opts:
+        if o not in OPTIONS:
+            raise SystemExit(f"unknown option +{o}; known: {', '.join(OPTIONS)}")
+    return base, opts
+
+
 def flags_of(name: str) -> tuple[int, list[str]]:
+    name = split_options(name)[0]
     base = name.removesuffix("_compile")
     if base not in LAYOUTS:
         raise SystemExit(f"unknown layout {name}; known: {', '.join(LAYOUTS)} (each also with _compile)")
@@ -134,13 +168,14 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def step_fn(trainer, args):
-    """trainer.step, under --sdpa's attention backend first and, with --sync-steps,
-    waiting for the GPU after each step."""
+def step_fn(trainer, args, opts):
+    """trainer.step, under --sdpa's (or the layout's +cudnn / +flash) attention backend
+    first and, with --sync-steps, waiting for the GPU after each step."""
     step = trainer.step
-    if args.sdpa != "default":
+    sdpa = next((o for o in opts if o in ("cudnn", "flash")), args.sdpa)
+    if sdpa != "default":
         from torch.nn.attention import SDPBackend, sdpa_kernel
-        first = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[args.sdpa]
+        first = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[sdpa]
         order = [first] + [b for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
                            if b != first]
 
@@ -204,14 +239,25 @@ def measure(name: str, recipe_flags: list[str], args) -> dict:
     steps = args.warmup + args.rounds * args.steps + 1
     config = Config.from_args(["--dtype", "bf16", "--lr", "1e-4", "--steps", str(steps)] + recipe_flags + flags,
                               models=models.PRESETS)
+    opts = split_options(name)[1]
+    patches = [p for o in opts for p in OPTIONS[o]()]
+    undo = [(m, n, getattr(m, n)) for m, n, _ in patches if m is not None]
+    for m, n, v in patches:
+        if m is not None:
+            setattr(m, n, v)
     t0 = time.perf_counter()
-    trainer = Trainer(config, verbose=False)
+    try:
+        trainer = Trainer(config, verbose=False)
+    finally:
+        for m, n, v in undo:
+            setattr(m, n, v)
     build_s = time.perf_counter() - t0
     device = trainer.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     batches = [trainer.loader.next() for _ in range(4)]
-    step = step_fn(trainer, args)
+    step = step_fn(trainer, args, opts)
+    sdpa = next((o for o in opts if o in ("cudnn", "flash")), args.sdpa)
     trace, warmup_s, rounds = timed(step, batches, args, device)
     losses, norms = ([round(float(t[k]), 5) for t in trace] for k in (0, 1))
     step_s, mem, reserved = worst_over_ranks(statistics.median(rounds), device)
@@ -220,7 +266,7 @@ def measure(name: str, recipe_flags: list[str], args) -> dict:
     peak = peak_tflops(device)
     flops = trainer.model_config.flops_per_token(config.training.seq_len)
     result = dict(layout=name, model=config.model.model, world=world, flags=" ".join(recipe_flags + flags),
-                  experiment=args.experiment, sdpa=args.sdpa,
+                  experiment=args.experiment, sdpa=sdpa,
                   global_batch=trainer.global_batch, seq_len=config.training.seq_len, step_ms=step_s * 1e3,
                   step_ms_rounds=[r * 1e3 for r in rounds], tokens_per_s_per_gpu=tps_gpu,
                   tflops_per_gpu=tps_gpu * flops / 1e12, mfu=tps_gpu * flops / 1e12 / peak if peak else None,
@@ -241,6 +287,9 @@ def measure(name: str, recipe_flags: list[str], args) -> dict:
     torch._dynamo.reset()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    for m, _, undo_option in patches:
+        if m is None:
+            undo_option()
     return result
 
 
@@ -266,7 +315,10 @@ def replica_spread(parts) -> dict:
 
 KINDS = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "attention", "sdpa")),   # before gemm: cuDNN's
          ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_")),           # sdpa kernels say sm90_ too
-         ("triton", ("triton", "_rms", "_swiglu", "_ln_")))
+         ("optimizer", ("adam", "multi_tensor")),
+         ("casts", ("to_copy", "copy_kernel", "memcpy", "memset")),                   # dtype casts and copies
+         ("triton", ("triton", "_rms", "_swiglu", "_ln_")),                           # inductor's fused kernels too
+         ("elementwise", ("elementwise", "reduce_kernel", "vectorized", "embedding", "index")))
 
 
 def profile(step, n: int, device, path: str) -> dict:
@@ -332,8 +384,21 @@ def _length(spans: list) -> float:
     return sum(e - s for s, e in spans)
 
 
-def summarize(path: str, peer_path: str | None) -> None:
+def summarize(path: str, peer_path: str | None, baseline: str | None = None) -> None:
     rows = [json.loads(line) for line in open(path) if line.strip()]
+    if baseline:   # each row against the baseline layout of its model
+        base = {r["model"]: r for r in rows if r.get("layout") == baseline and "error" not in r}
+        print(f"| layout | model | step ms | tokens/s/GPU | vs {baseline} | peak GiB allocated / reserved |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            b = base.get(r.get("model"))
+            if "error" in r or b is None:
+                print(f"| {r['layout']} | {r.get('model')} | {r.get('error', 'no baseline')[:100]} | | | |")
+                continue
+            print(f"| {r['layout']} | {r['model']} | {r['step_ms']:.1f} | {r['tokens_per_s_per_gpu']:,.0f} | "
+                  f"{r['tokens_per_s_per_gpu'] / b['tokens_per_s_per_gpu']:.3f}x | "
+                  f"{r['peak_mem_gib']:.1f} / {r['peak_reserved_gib']:.1f} |")
+
     peers = {}
     if peer_path and os.path.exists(peer_path):
         peers = {r["layout"]: r for r in map(json.loads, open(peer_path)) if r.get("tokens_per_s_per_gpu")}
@@ -372,7 +437,8 @@ def record(result: dict, path: str) -> None:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layouts", default="1gpu", help="comma list of LAYOUTS names (each also with _compile)")
+    p.add_argument("--layouts", default="1gpu", help="comma list of LAYOUTS names (each also with _compile, and "
+                   "+OPTIONS: 1gpu_compile+cudnn+expandable)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=4, help="steps per timed round")
     p.add_argument("--rounds", type=int, default=3)
@@ -386,9 +452,10 @@ def main():
     p.add_argument("--out", default=".")
     p.add_argument("--summarize", default=None, help="print the table of a results.jsonl")
     p.add_argument("--peer", default=None, help="with --summarize: the peers' results (same layout names)")
+    p.add_argument("--baseline", default=None, help="with --summarize: also each row's tokens/s against this layout's")
     args, recipe_flags = p.parse_known_args()
     if args.summarize:
-        summarize(args.summarize, args.peer)
+        summarize(args.summarize, args.peer, args.baseline)
         return
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")

@@ -11,8 +11,6 @@ factor back.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -20,7 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from meshtron.distributed.context_parallel import shard_sequence
-from meshtron.distributed.data_parallel import set_grad_sync
+from meshtron.distributed.data_parallel import autocast as amp
+from meshtron.distributed.data_parallel import autocast_dtype, set_grad_sync
 from meshtron.distributed.mesh import degree
 from meshtron.distributed.pipeline_parallel import Pipeline
 from meshtron.distributed.reduce import clip_grad_norm_, sum_over
@@ -40,8 +39,8 @@ def forward_backward(parts: list[nn.Module], x: torch.Tensor, y: torch.Tensor, m
     batch: `microbatches` in turn, or the pipeline's schedule. Returns the global
     token-mean loss (fp32, detached, the same on every rank); `mesh=None` is one
     process. `zero` is the ZeRO stage FSDP was applied with (what each micro-batch
-    communicates); `autocast` runs the forward under torch.autocast (meshtron's own
-    bf16 goes through FSDP's mixed precision instead)."""
+    communicates); `autocast` runs the forward under torch.autocast (one process's
+    bf16: data_parallel.autocast_dtype; more ranks' bf16 is FSDP's policy)."""
     device = next(parts[0].parameters()).device
     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
     if mesh is not None and degree(mesh, "cp") > 1:   # this rank's chunks of every sequence
@@ -55,12 +54,12 @@ def forward_backward(parts: list[nn.Module], x: torch.Tensor, y: torch.Tensor, m
         total = sum_over(pipeline.step(x, y, scale), mesh, "pp")
     else:
         model, total = parts[0], torch.zeros((), device=device)
-        amp = torch.autocast(device.type, dtype=autocast) if autocast else contextlib.nullcontext()
         for i, (xs, ys) in enumerate(zip(x.chunk(microbatches), y.chunk(microbatches))):
             set_grad_sync(model, zero, i == microbatches - 1)
-            with amp:
+            with amp(device, autocast):
                 logits = logits_of(model(xs, **forward_kwargs(loss_fn)))
             loss = loss_fn(logits, ys) * scale
+            del logits   # the loss saved what its backward needs: the logits go once that has run
             loss.backward()
             total += _value(loss)
     return sum_over(total, mesh, "loss") / n_dp
@@ -78,8 +77,9 @@ def gradients(parts: list[nn.Module], x: torch.Tensor, y: torch.Tensor, mesh: De
               config, microbatches: int, loss_fn) -> tuple[torch.Tensor, torch.Tensor]:
     """forward_backward, then the global gradient norm and clipping to --max-norm:
     (loss, norm) as device tensors."""
-    loss = forward_backward(parts, x, y, mesh, microbatches=microbatches, loss_fn=loss_fn,
-                            zero=config.parallel.zero, pipeline=pipeline)
+    par = config.parallel
+    loss = forward_backward(parts, x, y, mesh, microbatches=microbatches, loss_fn=loss_fn, zero=par.zero,
+                            pipeline=pipeline, autocast=autocast_dtype(mesh, par.dtype, par.mixed_precision))
     norm_params = pipeline.norm_parameters() if pipeline is not None else None
     norm = clip_grad_norm_([p for m in parts for p in m.parameters()], config.training.max_norm or None,
                            mesh, norm_params)

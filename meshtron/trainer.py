@@ -37,7 +37,7 @@ from meshtron.config import Config, ConfigError
 from meshtron.data import BatchLoader, open_data
 from meshtron.distributed.agree import agree
 from meshtron.distributed.context_parallel import shard_sequence
-from meshtron.distributed.data_parallel import reshard
+from meshtron.distributed.data_parallel import autocast, autocast_dtype, reshard
 from meshtron.distributed.float8 import precompute_scales
 from meshtron.distributed.mesh import batch_slice, degree, init_mesh, world_size
 from meshtron.distributed.pipeline_parallel import Pipeline
@@ -213,6 +213,8 @@ class Trainer:
         n = self.config.data.eval_steps
         self.eval_loader.step = 0
         total = count = torch.zeros((), device=self.device)
+        par = self.config.parallel
+        amp = autocast_dtype(self.mesh, par.dtype, par.mixed_precision)   # as the training step's forward
         for m in self.parts:
             m.eval()
         for _ in range(n):
@@ -223,8 +225,11 @@ class Trainer:
             if self.pipeline is not None:
                 s = sum_over(self.pipeline.evaluate(x, y), self.mesh, "pp")
             else:
-                s = sum(_value(self.loss_fn(logits_of(self.parts[0](xs, **forward_kwargs(self.loss_fn))), ys))
-                        for xs, ys in zip(x.chunk(self.microbatches), y.chunk(self.microbatches)))
+                s = torch.zeros((), device=self.device)
+                for xs, ys in zip(x.chunk(self.microbatches), y.chunk(self.microbatches)):
+                    with autocast(self.device, amp):
+                        logits = logits_of(self.parts[0](xs, **forward_kwargs(self.loss_fn)))
+                    s = s + _value(self.loss_fn(logits, ys))
             total = total + sum_over(s, self.mesh, "loss")
         reshard(self.parts)
         for m in self.parts:

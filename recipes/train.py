@@ -11,6 +11,10 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# before torch starts: CUDA memory in segments that grow in place, so the reserved peak
+# stays near the allocated one (torchtitan's launcher sets the same); a setting of yours wins
+if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+    os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
 
 from meshtron.trainer import run  # noqa: E402
 

@@ -15,6 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from meshtron.checkpoint import fqn as clean_name
+from meshtron.distributed.data_parallel import autocast_dtype
 from meshtron.distributed.mesh import batch_slice, degree
 from meshtron.distributed.pipeline_parallel import Pipeline
 from meshtron.distributed.reduce import clip_grad_norm_
@@ -260,4 +261,4 @@ def pipelined(pcfg, spec, cfg, microbatches: int = 2, schedule: str = "1f1b"):
 
 def fb_kwargs(mesh, pcfg) -> dict:
     """What the trainer passes forward_backward for this layout."""
-    return {"zero": pcfg.zero}
+    return {"zero": pcfg.zero, "autocast": autocast_dtype(mesh, pcfg.dtype, pcfg.mixed_precision)}

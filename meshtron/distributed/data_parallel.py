@@ -20,8 +20,18 @@ gradient shards all-reduced across replicas once per step.
 Mixed precision: fp32 master weights (FSDP's shards), weights cast to
 param_dtype before the all-gather, gradients reduced (and accumulated) in
 reduce_dtype, fp32 by default as in Megatron.
+
+One process (a mesh of one rank) needs no FSDP: there `autocast_dtype` names
+the dtype its forward runs under torch.autocast, on the module's own fp32
+weights (their gradients and AdamW's state fp32, gradients accumulated in fp32
+over micro-batches), and `cast_embeddings` keeps the residual stream in that
+dtype, as FSDP's bf16 weights make it. Autocast casts each weight once per
+micro-batch; FSDP (zero 1) once per step, but adds copies into and out of its
+all-gather and reduce-scatter buffers, which on one rank move nothing.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn as nn
@@ -58,6 +68,36 @@ def mp_policy(param_dtype: str = "bf16", reduce_dtype: str = "fp32") -> MixedPre
     """fp32 master weights (FSDP keeps the sharded fp32 copy), compute in
     param_dtype, gradients reduced in reduce_dtype (fp32 by default, as Megatron)."""
     return MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
+
+
+def autocast_dtype(mesh: DeviceMesh | None, dtype: str, mixed_precision: str = "autocast") -> torch.dtype | None:
+    """The dtype one process's forward runs under torch.autocast (--mixed-precision
+    autocast, --dtype bf16 or fp16, a mesh of one rank); None where the weights
+    themselves are in the compute dtype (FSDP's policy) or compute is fp32."""
+    if mixed_precision not in ("autocast", "fsdp"):
+        raise ValueError(f"mixed_precision must be autocast or fsdp, not {mixed_precision!r}")
+    one_rank = mesh is None or mesh.size() == 1
+    return DTYPES[dtype] if one_rank and dtype != "fp32" and mixed_precision == "autocast" else None
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """torch.autocast to `dtype` on the device's type, or nothing for None."""
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
+def cast_embeddings(model: nn.Module) -> None:
+    """Under autocast, cast every embedding's output to the autocast dtype: the
+    lookups of fp32 tables would otherwise keep the residual stream (every add,
+    every saved norm input) in fp32, twice the bytes of FSDP's bf16 stream. A
+    lookup copies values, so this is what bf16 tables give. Outside autocast (a
+    plain fp32 forward) the hook changes nothing."""
+    def hook(mod, args, out):
+        device = out.device.type
+        if device != "meta" and out.is_floating_point() and torch.is_autocast_enabled(device):
+            return out.to(torch.get_autocast_dtype(device))
+    for m in model.modules():
+        if isinstance(m, nn.Embedding):
+            m.register_forward_hook(hook)
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, blocks: list[nn.Module], zero_stage: int = 3, hsdp: int = 1,

@@ -13,13 +13,15 @@ A model spec's parallelize function (meshtron.models.*) applies its own TP plan
 and calls `apply_recompute`, `apply_compile` and `apply_dp` on its blocks; any
 other model goes through `parallelize(model, mesh, config, plan=, blocks=)`.
 
-Every step is skipped when its axis has size 1, so an unused axis costs nothing;
-except that bf16 (or fp16) training always goes through FSDP2's mixed precision,
-at dp = 1 too: bf16 weights and activations, the residual stream included, with
-fp32 master weights, as Megatron's mixed precision, and the same numerics at
-every dp degree (on a size-1 mesh its gathers are local copies). Autocast on
-fp32 weights instead keeps an fp32 residual stream and recasts every weight each
-forward, which is slower (benchmarks/RESULTS.md).
+Every step is skipped when its axis has size 1, so an unused axis costs nothing.
+bf16 (or fp16) training on more than one rank goes through FSDP2's mixed
+precision, at dp = 1 too (tp, cp or pp > 1): bf16 weights and activations, the
+residual stream included, with fp32 master weights, as Megatron's mixed
+precision. One process (--mixed-precision autocast, the default) skips FSDP:
+torch.autocast on its fp32 weights, the embeddings' outputs cast to bf16 so that
+the residual stream is bf16 as under FSDP (data_parallel.cast_embeddings); FSDP on
+a one-rank mesh only adds copies into and out of buffers that move nothing
+(notes/perf.md). --mixed-precision fsdp keeps FSDP there.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshtron.distributed import async_tp, float8
-from meshtron.distributed.data_parallel import apply_fsdp, dp_mesh_for
+from meshtron.distributed.data_parallel import apply_fsdp, autocast_dtype, cast_embeddings, dp_mesh_for
 from meshtron.distributed.mesh import degree
 from meshtron.distributed.recompute import apply_recompute
 from meshtron.distributed.tensor_parallel import STYLES, matches, parallelize_module
@@ -51,6 +53,7 @@ class LayoutOptions(Protocol):
     compile: bool           # torch.compile each block
     fp8: str                # "none", "tensorwise", "rowwise"
     async_tp: bool          # async TP's compile pass
+    mixed_precision: str    # one process's bf16: "autocast" or "fsdp"
 
 
 def apply_compile(blocks: list[nn.Module], options: dict | None = None) -> None:
@@ -85,8 +88,11 @@ def compile_options(config: LayoutOptions) -> dict | None:
 
 
 def _zero(mesh: DeviceMesh, config: LayoutOptions) -> int | None:
-    """The ZeRO stage FSDP runs, or None when FSDP is not applied (fp32 on one dense dp rank)."""
+    """The ZeRO stage FSDP runs, or None when FSDP is not applied (fp32 on one dense
+    dp rank; one process under autocast)."""
     n = degree(mesh, "dense_dp")
+    if autocast_dtype(mesh, config.dtype, config.mixed_precision) is not None:
+        return None
     if n > 1 or config.dtype != "fp32":
         return config.zero if n > 1 else 1   # nothing to shard over
     return None
@@ -102,8 +108,11 @@ def dp_mesh_of(mesh: DeviceMesh, config: LayoutOptions) -> DeviceMesh | None:
 def apply_dp(model: nn.Module, mesh: DeviceMesh, config: LayoutOptions, blocks: list[nn.Module],
              experts: list[nn.Module] = (), dp_mesh: DeviceMesh | None = None) -> None:
     """FSDP over the dense data-parallel sub-mesh, one unit per block plus the root
-    (and one per experts module, over expert_dp). `dp_mesh`: dp_mesh_of's, when
-    built already; else this call builds it."""
+    (and one per experts module, over expert_dp); on one process under autocast,
+    only the cast of the embeddings' outputs. `dp_mesh`: dp_mesh_of's, when built
+    already; else this call builds it."""
+    if autocast_dtype(mesh, config.dtype, config.mixed_precision) is not None:
+        cast_embeddings(model)
     zero = _zero(mesh, config)
     if zero is not None:
         apply_fsdp(model, mesh, blocks, zero, config.hsdp, config.dtype, config.reduce_dtype, experts, dp_mesh)

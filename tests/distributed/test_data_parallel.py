@@ -192,7 +192,7 @@ def _one_step_observed(rank, world, pcfg, micro_batches=4):
     opt = build_optimizer(model, 1e-3)
     (x, y), = tiny_batches(CFG.vocab_size, steps=1, batch=4 * world, seq=16)
     xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
-    fb = dict(microbatches=micro_batches, zero=pcfg.zero)
+    fb = dict(microbatches=micro_batches, **fb_kwargs(me, pcfg))
     forward_backward([model], xs, ys, me, **fb)        # warm-up: FSDP's lazy init, Adam's state
     clip_grad_norm_(model.parameters(), None, me)
     opt.step()
@@ -351,31 +351,69 @@ def test_fsdp_over_tp_with_sp_matches_one_process(pools, zero):
             assert_parity(pools.run(4, _parity, pcfg, 2, 0.05, {"dp": 2, "tp": 2}), FP32_TOL))
 
 
-# ---- bf16 at dp = 1: the same mixed precision as at dp > 1 --------------------------------
+# ---- bf16 at dp = 1: autocast on one process, FSDP's policy at dp > 1 -------------------
 
-def _bf16_losses(rank, world):
+def _bf16_losses(rank, world, mixed_precision="autocast"):
     me = mesh(dp=world)
-    model = parallelize(build(), me, ParallelConfig(zero=1, dtype="bf16"))
+    pcfg = ParallelConfig(zero=1, dtype="bf16", mixed_precision=mixed_precision)
+    model = parallelize(build(), me, pcfg)
     opt = build_optimizer(model, 1e-3)
     losses = []
     for x, y in BATCHES:
-        losses.append(float(forward_backward([model], x.chunk(world)[rank], y.chunk(world)[rank], me)))
+        losses.append(float(forward_backward([model], x.chunk(world)[rank], y.chunk(world)[rank], me,
+                                             **fb_kwargs(me, pcfg))))
         clip_grad_norm_(model.parameters(), 1.0, me)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return isinstance(model, FSDPModule), losses
 
 
-def test_bf16_at_dp1_is_fsdp_mixed_precision(pools):
-    # bf16 weights and residual stream with fp32 master weights at every dp degree
-    # (not autocast on fp32 weights at dp=1), so the loss does not change with dp
-    r = pools.run(1, _one_step_observed, ParallelConfig(dtype="bf16"))[0]
+@pytest.mark.parametrize("mixed_precision", ["autocast", "fsdp"])
+def test_bf16_at_dp1_matches_dp2(pools, mixed_precision):
+    # fp32 master weights, grads and Adam state and a bf16 residual stream on one process
+    # either way (autocast: no FSDP; fsdp: FSDP's policy on a one-rank mesh), so the loss
+    # does not change with dp
+    r = pools.run(1, _one_step_observed, ParallelConfig(dtype="bf16", mixed_precision=mixed_precision))[0]
     d = r["dtypes"]
     assert d["params"] == d["grads"] == d["adam"] == d["loss"] == {torch.float32}, d
     assert d["logits"] == {torch.bfloat16}, d
-    (fsdp1, one), = pools.run(1, _bf16_losses)
+    (fsdp1, one), = pools.run(1, _bf16_losses, mixed_precision)
     (fsdp2, two), _ = pools.run(2, _bf16_losses)
-    assert fsdp1 and fsdp2
+    assert fsdp1 == (mixed_precision == "fsdp") and fsdp2
     # the same bf16 roundings; only the order of the fp32 gradient sums differs
     assert two == pytest.approx(one, rel=1e-4), (one, two)   # measured 1e-5
-    print(f"\nbf16 losses dp=1 {one}, dp=2 {two}", end="")
+    print(f"\nbf16 losses dp=1 ({mixed_precision}) {one}, dp=2 {two}", end="")
+
+
+def _autocast_and_fsdp_vs_fp32(rank, world, model):
+    """One process, bf16, 3 steps of 2 micro-batches with clipping, each of the two
+    one-process paths (autocast without FSDP; FSDP's policy on a one-rank mesh)
+    against one fp32 process on the same weights and batches."""
+    from meshtron import models
+    me = mesh(dp=1)
+    spec, cfg = models.get(model)
+    batches = tiny_batches(cfg.vocab_size, steps=3, batch=8, seq=16)
+    out = {}
+    for mp in ("autocast", "fsdp"):
+        pcfg = ParallelConfig(zero=1, dtype="bf16", mixed_precision=mp)
+        out[mp] = run_parity(me, lambda: spec.model_cls(cfg, seed=0), layout(pcfg, spec), batches, micro_batches=2,
+                             max_norm=0.05, fb_kwargs=fb_kwargs(me, pcfg))
+    return out
+
+
+@pytest.mark.parametrize("model", ["tiny", "llama-tiny", "llama-moe-tiny"])
+def test_one_process_autocast_errs_as_fsdp_one_rank_mesh(pools, model):
+    """The one-process bf16 path (no FSDP) against the path it replaces (FSDP's
+    policy on a one-rank mesh), each measured against fp32: per metric, autocast may
+    err by max(twice FSDP's error, bf16's roundoff 2^-8), the tolerance every dp > 1
+    bf16 layout meets (test_bf16_training_matches_one_process_within_bf16_error).
+    Both cast the same fp32 weights to bf16 and run a bf16 residual stream; they
+    differ only where a bf16 weight's own rounding enters (the norms' weights, which
+    autocast keeps fp32, and their gradients, formed in fp32)."""
+    r = pools.run(1, _autocast_and_fsdp_vs_fp32, model)[0]
+    for metric in ("loss", "grad", "param", "grad_norm"):
+        got, floor = getattr(r["autocast"], metric), getattr(r["fsdp"], metric)
+        assert got <= max(2 * floor, BF16_ROUNDOFF), (metric, got, floor)
+    assert r["autocast"].grad > 100 * FP32_TOL    # bf16 compute really happened
+    _report(f"{model} bf16 one process, autocast, vs fp32", r["autocast"])
+    _report(f"{model} bf16 one process, FSDP one rank, vs fp32", r["fsdp"])

@@ -121,9 +121,11 @@ class Experts(nn.Module):
             gate, up = grouped_mm(x, self.w1, counts).chunk(2, dim=-1)
             return grouped_mm(F.silu(gate) * up, self.w2, counts)
         rows = x.shape[0]
-        h = grouped_mm(x, self.w1, counts) + self.b1.repeat_interleave(counts, 0, output_size=rows)
+        h = grouped_mm(x, self.w1, counts)
+        h = h + self.b1.to(h.dtype).repeat_interleave(counts, 0, output_size=rows)   # fp32 under autocast
         h = F.gelu(h, approximate="tanh")
-        return grouped_mm(h, self.w2, counts) + self.b2.repeat_interleave(counts, 0, output_size=rows)
+        y = grouped_mm(h, self.w2, counts)
+        return y + self.b2.to(y.dtype).repeat_interleave(counts, 0, output_size=rows)
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -131,7 +133,10 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
     torch._grouped_mm on Hopper in bf16 (one kernel, offsets on the GPU: no host
     sync); elsewhere one matmul per group. Empty groups still multiply (0 rows),
     so w and x get gradients, zero ones, on a rank that received no tokens: its
-    backward then runs the same collectives as its peers'."""
+    backward then runs the same collectives as its peers'.
+    w is cast to x's dtype: autocast does not cover torch._grouped_mm, and leaves the
+    weights fp32 (under FSDP's bf16 weights the cast does nothing)."""
+    w = w.to(x.dtype)
     if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and x.shape[0] > 0 and \
             torch.cuda.get_device_capability(x.device)[0] == 9:
         return torch._grouped_mm(x, w, offs=counts.cumsum(0, dtype=torch.int32))

@@ -119,7 +119,9 @@ class LinearGeLU(nn.Linear):
     def forward(self, x):
         if self.fused and x.is_cuda and self.bias is not None:
             from meshtron.kernels_triton import bias_gelu
-            return bias_gelu(F.linear(x, self.weight), self.bias)
+            h = F.linear(x, self.weight)
+            # autocast leaves the bias fp32, which would make the GeLU's output fp32 too
+            return bias_gelu(h, self.bias.to(h.dtype))
         return F.gelu(F.linear(x, self.weight, self.bias), approximate="tanh")
 
 
