@@ -125,3 +125,13 @@ def test_mismatched_shapes_are_refused():
         fused_linear_cross_entropy_sum(h, w, y[:, :4])
     with pytest.raises(ValueError, match="do not match"):
         fused_linear_cross_entropy_sum(h[..., :3], w, y)
+
+
+def test_one_process_bf16_under_autocast_keeps_an_fp32_head():
+    """One process in bf16 runs under autocast with fp32 weights: the fused loss
+    computes in the hidden states' bf16, as autocast's F.linear does, and trains
+    as the plain loss does (to bf16 rounding)."""
+    from meshtron.trainer import main
+    argv = ["--model", "llama-tiny", "--steps", "3", "--dtype", "bf16", "--log-interval", "1"]
+    plain, fused = main(argv + ["--no-fused-loss"]), main(argv + ["--fused-loss"])
+    assert len(fused) == 3 and all(abs(a - b) <= 2e-2 * abs(a) for a, b in zip(plain, fused)), (plain, fused)

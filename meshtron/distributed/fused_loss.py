@@ -149,6 +149,9 @@ def fused_linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, t
         group, start = mesh.get_group(axis), mesh.get_local_rank(axis) * (vocab // t)
     h = _local_hidden(hidden, weight, axis)
     w = weight.to_local(grad_placements=weight.placements) if isinstance(weight, DTensor) else weight
+    # one process under autocast keeps an fp32 head: compute in the hidden states' dtype as
+    # autocast's F.linear would (the cast's backward returns the fp32 gradient)
+    w = w.to(h.dtype) if w.dtype != h.dtype and h.dtype in (torch.bfloat16, torch.float16) else w
     chunk = chunk or default_chunk(w.shape[0])
     need_grad = torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)
     return _FusedLinearCrossEntropy.apply(h.flatten(0, -2), w, targets.flatten(), group, start, chunk,
