@@ -236,11 +236,25 @@ class Llama(nn.Module):
             h = self.norm(h)
         return self.output(h) if self.output is not None and not return_hidden else h
 
+    def _init_std(self, name: str) -> float:
+        if name == "tok_embeddings.weight":
+            return 0.02 if self.config.tie_embeddings else 1.0
+        if name == "output.weight":
+            return self.config.dim ** -0.5
+        if name.endswith(("wo.weight", "w2.weight", "w3.weight")) and name.startswith("layers."):
+            return 0.02 / math.sqrt(2 * (int(name.split(".")[1]) + 1))
+        return 0.02
+
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
-        """N(0, 0.02), the output projections of each residual branch (wo, w2) scaled
-        by 1/sqrt(2L), norms 1, each drawn by parameter name; the rotary
-        frequencies recomputed (a buffer, left empty by building on meta)."""
+        """Llama's init as torchtitan trains it: an untied token embedding N(0, 1) (tied:
+        N(0, 0.02), as it is also the head), an untied head N(0, dim^-1/2), every other
+        matrix N(0, 0.02) but the residual branches' last ones and w3 (wo, w2, w3),
+        N(0, 0.02 / sqrt(2 (layer + 1))); norms 1. Each drawn by parameter name; the
+        rotary frequencies recomputed (a buffer, left empty by building on meta). The
+        earlier 0.02 embeddings and one depth scale for every layer trained llama-1B
+        markedly slower than torchtitan on the same tokens (benchmarks/RESULTS.md,
+        convergence)."""
         std = 0.02
         out_std = std / math.sqrt(2 * self.config.n_layers)
         moe = {f"{n}.": m for n, m in self.named_modules() if isinstance(m, MoE)}
@@ -250,12 +264,11 @@ class Llama(nn.Module):
             if any(name.startswith(prefix) for prefix in moe):
                 continue
             if name.endswith("norm.weight"):
-                full = torch.ones(p.shape)
-            else:
-                # a pipeline stage's untied copy of a tied output head draws the embedding's values
-                key = "tok_embeddings.weight" if name == "output.weight" and self.config.tie_embeddings else name
-                full = normal(p.shape, out_std if name.endswith(("wo.weight", "w2.weight")) else std, seed, key)
-            fill(p, full)
+                fill(p, torch.ones(p.shape))
+                continue
+            # a pipeline stage's untied copy of a tied output head draws the embedding's values
+            key = "tok_embeddings.weight" if name == "output.weight" and self.config.tie_embeddings else name
+            fill(p, normal(p.shape, self._init_std(key), seed, key))
         for m in self.modules():
             if isinstance(m, Attention):
                 m.inv_freq.copy_(rope_inv_freq(self.config))
