@@ -57,6 +57,9 @@ class ModelConfig:
     """mixture of experts: aux-loss-free expert bias step per optimizer step (0: off; default: the preset's)"""
     moe_capacity: float | None = None
     """mixture of experts: capacity factor (0: dropless; default: the preset's)"""
+    moe_balanced_routing: bool = False
+    """mixture of experts, for speed measurements only: every token's experts assigned round-robin (each expert
+    equally loaded) instead of by the router"""
 
 
 @dataclass

@@ -44,11 +44,13 @@ class MoEConfig:
     top_k: int = 2
     hidden: int = 256              # each expert's MLP width
     score: str = "softmax"         # router scores: softmax or sigmoid
+    route_norm: bool = True        # the chosen experts' weights renormalized to sum 1 (always for sigmoid)
     n_shared: int = 0              # shared experts (a dense MLP of n_shared * hidden applied to every token)
     aux_loss: float = 1e-2         # load-balancing loss coefficient (0: off)
-    bias_update: float = 0.0       # aux-loss-free expert bias step (0: off)
+    bias_update: float = 1e-3      # aux-loss-free expert bias step (0: off)
     capacity: float = 0.0          # capacity factor (0: dropless)
     activation: str = "swiglu"     # swiglu (Llama) or gelu (GPT, with biases)
+    balanced: bool = False         # benchmarks only: round-robin experts instead of the router's choice
 
 
 class StepSum(nn.Module):
@@ -93,9 +95,13 @@ class Router(nn.Module):
         with torch.autocast(x.device.type, enabled=False):   # fp32 under autocast too
             logits = F.linear(x.float(), self.gate.weight.float())
         scores = logits.softmax(-1) if self.cfg.score == "softmax" else logits.sigmoid()
-        experts = (scores.detach() + self.expert_bias).topk(self.cfg.top_k, dim=-1).indices
+        if self.cfg.balanced:   # token t's copies to experts kt, kt+1, ... (mod E): every expert equally loaded
+            k, n = self.cfg.top_k, x.shape[0]
+            experts = torch.arange(n * k, device=x.device).view(n, k) % self.cfg.n_experts
+        else:
+            experts = (scores.detach() + self.expert_bias).topk(self.cfg.top_k, dim=-1).indices
         weights = scores.gather(-1, experts)
-        if self.cfg.score == "sigmoid":
+        if self.cfg.route_norm or self.cfg.score == "sigmoid":
             weights = weights / weights.sum(-1, keepdim=True)
         return weights, experts, scores
 
@@ -243,8 +249,9 @@ def end_step(blocks: list[MoE]) -> torch.Tensor:
     out = torch.zeros(4, device=blocks[0].calls.device if blocks else None)
     for m in blocks:
         load = m.tokens_per_expert
-        if m.cfg.bias_update > 0:
-            m.router.expert_bias += m.cfg.bias_update * torch.sign(load.mean() - load)
+        if m.cfg.bias_update > 0 and not m.cfg.balanced:
+            step = m.cfg.bias_update * torch.sign(load.mean() - load)
+            m.router.expert_bias += step - step.mean()   # centred (torchtitan): only differences select
         out[:3] += torch.stack([m.aux_loss_sum, m.dropped, load.sum()]) / m.calls.clamp_min(1)
         out[3] = torch.maximum(out[3], load.max() / load.mean().clamp_min(1e-9))
         for b in (m.tokens_per_expert, m.aux_loss_sum, m.dropped, m.calls):
