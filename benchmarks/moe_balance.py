@@ -37,7 +37,8 @@ def main(argv=None) -> dict:
                     help="an experiment: redraw every router's weights N(0, std) before the first step")
     args, recipe = ap.parse_known_args(argv)
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29544")
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29544"))
     init_process_group(600)
     trainer = Trainer(Config.from_args(recipe, models=models.PRESETS), verbose=False)
     if trainer.pipeline is not None or getattr(trainer.model_config, "moe", None) is None:

@@ -269,14 +269,20 @@ def moe_param_count(dim: int, cfg: MoEConfig, active: bool = False) -> int:
 
 
 def init_moe(moe: MoE, seed: int, prefix: str, std: float, out_std: float, normal, fill) -> None:
-    """Name-seeded init of an MoE block: the router and first projections N(0, std),
-    the output projections N(0, out_std), biases 0; the expert bias and the step's
-    statistics zeroed (buffers that building on meta leaves empty)."""
+    """Name-seeded init of an MoE block: the first projections N(0, std), the router
+    and the output projections N(0, out_std), biases 0; the expert bias and the
+    step's statistics zeroed (buffers that building on meta leaves empty).
+    The router's small init (torchtitan's, which draws it at the scaled std of the
+    residual outputs): at init the router inputs of all tokens share most of their
+    direction, so the largest common logits would send nearly every token to the
+    same experts; small logits keep the scores close, where the expert bias evens
+    the load within tens of steps, before the router has learned anything."""
     for name, p in moe.named_parameters():
         if name.endswith((".b1", ".b2")):
             full = torch.zeros(p.shape)
         else:
-            full = normal(p.shape, out_std if name.endswith(".w2") else std, seed, f"{prefix}.{name}")
+            scaled = name.endswith(".w2") or name.startswith("router.")
+            full = normal(p.shape, out_std if scaled else std, seed, f"{prefix}.{name}")
         fill(p, full)
     for b in moe.buffers():
         b.zero_()
