@@ -5,9 +5,11 @@
 # (round-robin) routing, in one call. Run from the repository root with the kit in .peer/
 # (benchmarks/vs_torchtitan.sh says how to build it):  OUT=$OUT bash benchmarks/moe_vs_torchtitan.sh
 # Env: STEPS=50 (the recipe's run)  TT_STEPS=15 (torchtitan's; its tokens/s are its last 5 steps)
+#      KIT=the torchtitan kit (default .peer under the root)  TT_T=90 (timeout s per torchtitan run)
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/moe_vs_tt}
+KIT=${KIT:-$ROOT/.peer}
 mkdir -p "$OUT"
 cd "$ROOT"
 export PYTHONPATH=$ROOT OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
@@ -34,7 +36,7 @@ for mode in natural balanced; do
   extra="--experimental.custom_import tt3_moe_load"
   [ $mode = balanced ] && extra="$extra --model.flavor tt3_moe_bal"
   echo "== torchtitan moe_1gpu, $mode routing"
-  OUT=$OUT T=${TT_T:-90} STEPS=${TT_STEPS:-15} TT3_ARGS="$extra" bash .peer/run.sh moe_1gpu 2>&1 | grep -E "rc=|step:|rror" | tail -4
+  OUT=$OUT T=${TT_T:-90} STEPS=${TT_STEPS:-15} TT3_ARGS="$extra" bash "$KIT/run.sh" moe_1gpu 2>&1 | grep -E "rc=|step:|rror" | tail -4
   cp /tmp/tt3_logs/moe_1gpu.log "$OUT/tt_$mode.log" 2>/dev/null
   grep -o "tt3_moe_load: .*" "$OUT/tt_$mode.log" | cut -c1-400
 done
