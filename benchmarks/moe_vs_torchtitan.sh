@@ -31,10 +31,10 @@ for mode in natural balanced; do
   python benchmarks/bench_train.py --summarize "$OUT/mt_$mode/results.jsonl"
 done
 
-export PYTHONPATH=$ROOT/benchmarks/torchtitan   # tt3_moe_load: the routing load, the balanced flavor
+export PYTHONPATH=$ROOT/benchmarks/torchtitan   # tt3_moe_load: torchtitan's routing load
 for mode in natural balanced; do
   extra="--experimental.custom_import tt3_moe_load"
-  [ $mode = balanced ] && extra="$extra --model.flavor tt3_moe_bal"
+  [ $mode = balanced ] && extra="$extra --debug.moe_force_load_balance"
   echo "== torchtitan moe_1gpu, $mode routing"
   OUT=$OUT T=${TT_T:-90} STEPS=${TT_STEPS:-15} TT3_ARGS="$extra" bash "$KIT/run.sh" moe_1gpu 2>&1 | grep -E "rc=|step:|rror" | tail -4
   cp /tmp/tt3_logs/moe_1gpu.log "$OUT/tt_$mode.log" 2>/dev/null

@@ -58,8 +58,7 @@ class ModelConfig:
     moe_capacity: float | None = None
     """mixture of experts: capacity factor (0: dropless; default: the preset's)"""
     moe_balanced_routing: bool = False
-    """mixture of experts, for speed measurements only: every token's experts assigned round-robin (each expert
-    equally loaded) instead of by the router"""
+    """mixture of experts, speed measurements only: experts assigned round-robin (equal loads), not by the router"""
 
 
 @dataclass

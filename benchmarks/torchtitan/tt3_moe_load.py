@@ -1,19 +1,18 @@
-"""torchtitan 0.2.2 peer (the kit's `run.sh moe_1gpu`): its MoE routing load, and a
-balanced-routing flavor, for a speed comparison at a stated load.
+"""torchtitan 0.2.2 peer (the kit's `run.sh moe_1gpu`): its MoE routing load, for a
+speed comparison at a stated load.
 
 Loaded through `--experimental.custom_import tt3_moe_load` (with this folder on
-PYTHONPATH); it imports the kit's `tt3_flavors` and adds
-- `tt3_moe_bal`: the kit's `tt3_moe` with MoEArgs._debug_force_load_balance
-  (torchtitan's round-robin assignment, every expert equally loaded);
-- a wrapper around MoE.forward that keeps each layer's load max/mean of every
-  forward (the busiest expert's tokens / the mean, from the router's counts) on
-  the GPU, and prints per step the worst layer's at exit (no host sync while
-  training: the steps' speed is unchanged).
+PYTHONPATH); it imports the kit's `tt3_flavors` and wraps MoE.forward to keep
+each layer's load max/mean of every forward (the busiest expert's tokens / the
+mean, from the router's counts) on the GPU, and prints per step the worst
+layer's at exit (no host sync while training). torchtitan's own balanced mode
+is `--debug.moe_force_load_balance` (round-robin experts); 0.2.2 copies that
+flag into MoEArgs._debug_force_load_balance when it builds the model, so a
+flavor setting the field is overwritten.
 """
 from __future__ import annotations
 
 import atexit
-from dataclasses import replace
 
 import torch
 import tt3_flavors  # noqa: F401  (registers tt3_moe)
@@ -21,8 +20,6 @@ from torchtitan.models.moe import moe as tt_moe
 from torchtitan.models.qwen3 import qwen3_args
 
 _base = qwen3_args["tt3_moe"]
-qwen3_args["tt3_moe_bal"] = replace(_base, moe_args=replace(_base.moe_args, _debug_force_load_balance=True))
-
 _loads: list[torch.Tensor] = []
 _forward = tt_moe.MoE.forward
 
