@@ -5,14 +5,15 @@ parallelism swaps in one that moves tokens by all-to-all, from outside).
 
     router   scores = softmax or sigmoid(x W_r) in fp32; the top-k of scores
              (+ the aux-loss-free expert bias, which only selects: DeepSeek-V3)
-             pick the experts; their scores (sigmoid ones renormalized) weigh
-             the experts' outputs, summed in fp32
+             pick the experts; their scores, renormalized to sum 1 (route_norm,
+             Qwen3's; always for sigmoid), weigh the experts' outputs, summed in
+             fp32. `balanced` (benchmarks only) assigns experts round-robin
     experts  SwiGLU w2(silu(x w1_gate) * x w1_up) or GeLU (x w1 + b1) -> w2 + b2,
              one grouped GEMM per projection over the tokens sorted by expert
     balance  the auxiliary loss a E sum_i f_i P_i (Switch / Megatron: f_i the
              fraction of routed tokens, P_i the mean score of expert i, both
              over every rank's tokens of the step), added to the gradients by
-             an autograd function without changing the logged loss; and/or the
+             an autograd function without changing the logged loss; and the
              expert bias, moved after each step towards equal token counts
     capacity dropless by default; with a capacity factor c each expert takes
              at most ceil(c k N / E) of the N tokens of the micro-batch (over
@@ -272,11 +273,10 @@ def init_moe(moe: MoE, seed: int, prefix: str, std: float, out_std: float, norma
     """Name-seeded init of an MoE block: the first projections N(0, std), the router
     and the output projections N(0, out_std), biases 0; the expert bias and the
     step's statistics zeroed (buffers that building on meta leaves empty).
-    The router's small init (torchtitan's, which draws it at the scaled std of the
-    residual outputs): at init the router inputs of all tokens share most of their
-    direction, so the largest common logits would send nearly every token to the
-    same experts; small logits keep the scores close, where the expert bias evens
-    the load within tens of steps, before the router has learned anything."""
+    The router's small init (torchtitan 0.2.2 draws it at the residual outputs'
+    scaled std too): at init the router inputs of all tokens share much of their
+    direction, so the common logits send most tokens to the same experts; smaller
+    logits leave the expert bias less to even out."""
     for name, p in moe.named_parameters():
         if name.endswith((".b1", ".b2")):
             full = torch.zeros(p.shape)
