@@ -5,6 +5,13 @@ against a dense SwiGLU MLP doing the same FLOPs per token, in the same run.
 
     python benchmarks/bench_moe.py            # bf16, llama-moe-3B's expert shapes
     python benchmarks/bench_moe.py --smoke    # tiny CPU run: the script works, no numbers
+    python benchmarks/bench_moe.py --balanced-routing   # the MoE layer's tokens assigned round-robin
+
+The MoE layer rows print the routing's load balance beside the time (the busiest
+expert's copies / the mean): the layer's speed depends on it (one expert with
+most tokens makes one large GEMM and idles the rest). Its input is random, which
+the router spreads evenly-ish; --balanced-routing gives every expert exactly
+k N / E copies, for speed comparisons at load max/mean 1.
 
 FLOPs: one projection of E experts with n tokens each is 2 * E * n * d * h; the
 dense peer multiplies (E n, d) by (d, h), the same count. An MoE layer (router,
@@ -87,8 +94,8 @@ def experts_row(d, h, experts, per_expert, dtype, device):
     return flops, timings(experts), timings(dense)
 
 
-def layer_row(d, h, n_experts, top_k, tokens, dtype, device):
-    moe = MoE(d, MoEConfig(n_experts=n_experts, top_k=top_k, hidden=h, aux_loss=1e-2)).to(device, dtype)
+def layer_row(d, h, n_experts, top_k, tokens, dtype, device, balanced=False):
+    moe = MoE(d, MoEConfig(n_experts=n_experts, top_k=top_k, hidden=h, balanced=balanced)).to(device, dtype)
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.02)
     dense = torch.nn.ModuleDict({n: torch.nn.Linear(*s, bias=False) for n, s in
@@ -104,12 +111,16 @@ def layer_row(d, h, n_experts, top_k, tokens, dtype, device):
     def dense_step():
         y = dense["w2"](torch.nn.functional.silu(dense["w1"](x)) * dense["w3"](x))
         torch.autograd.grad(y, (x, *dense.parameters()), dy)
-    return 3 * 6 * top_k * d * h * tokens, timings(moe_step), timings(dense_step)
+    times = timings(moe_step), timings(dense_step)
+    load = moe.tokens_per_expert.max() / moe.tokens_per_expert.mean()   # summed over every call: the same routing
+    return 3 * 6 * top_k * d * h * tokens, *times, float(load)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--balanced-routing", action="store_true",
+                    help="the MoE layer assigns experts round-robin (load max/mean 1), not by its router")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -132,10 +143,13 @@ def main(argv=None) -> None:
     print(f"{'experts':>8} {'tokens/expert':>14} " + head)
     for experts, per_expert in sizes:
         print(f"{experts:>8} {per_expert:>14} " + cols(*experts_row(d, h, experts, per_expert, dtype, device)))
-    print("one MoE layer (router, top-2 of 16 SwiGLU experts) forward+backward against a dense SwiGLU of width k*h")
-    print(f"{'tokens':>8} " + head)
+    routing = "round-robin (--balanced-routing)" if args.balanced_routing else "its router, random input"
+    print(f"one MoE layer (router, top-2 of 16 SwiGLU experts; experts by {routing}) forward+backward against "
+          "a dense SwiGLU of width k*h")
+    print(f"{'tokens':>8} " + head + f" {'load max/mean':>14}")
     for tokens in ((4096, 8192, 16384) if not args.smoke else (64,)):
-        print(f"{tokens:>8} " + cols(*layer_row(d, h, E, k, tokens, dtype, device)))
+        flops, t, td, load = layer_row(d, h, E, k, tokens, dtype, device, args.balanced_routing)
+        print(f"{tokens:>8} " + cols(flops, t, td) + f" {load:>14.2f}")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -192,13 +192,19 @@ def step_fn(trainer, args, opts):
     return step
 
 
-def timed(step, batches, args, device) -> tuple[list, float, list[float]]:
-    """(every step's (loss, grad norm) as device tensors, the warm-up's seconds, each
-    round's seconds per step): the CPU runs ahead within a round, as in training."""
-    trace = []   # read after the timing
+def timed(step, batches, args, trainer) -> tuple[list, list, float, list[float]]:
+    """(every step's (loss, grad norm) and MoE load as device tensors, the warm-up's
+    seconds, each round's seconds per step): the CPU runs ahead within a round, as in
+    training."""
+    trace, loads, device = [], [], trainer.device   # read after the timing
+
+    def one(i):
+        trace.append(step(*batches[i % len(batches)]))
+        if trainer.moe_stats is not None:   # the worst layer's tokens of its busiest expert / the mean
+            loads.append(trainer.moe_stats[3])
     t0 = time.perf_counter()
     for i in range(args.warmup):
-        trace.append(step(*batches[i % len(batches)]))
+        one(i)
     sync(device)
     warmup_s = time.perf_counter() - t0
     rounds = []
@@ -206,10 +212,10 @@ def timed(step, batches, args, device) -> tuple[list, float, list[float]]:
         sync(device)
         t0 = time.perf_counter()
         for i in range(args.steps):
-            trace.append(step(*batches[i % len(batches)]))
+            one(i)
         sync(device)
         rounds.append((time.perf_counter() - t0) / args.steps)
-    return trace, warmup_s, rounds
+    return trace, loads, warmup_s, rounds
 
 
 def worst_over_ranks(step_s: float, device) -> tuple[float, float, float]:
@@ -258,7 +264,7 @@ def measure(name: str, recipe_flags: list[str], args) -> dict:
     batches = [trainer.loader.next() for _ in range(4)]
     step = step_fn(trainer, args, opts)
     sdpa = next((o for o in opts if o in ("cudnn", "flash")), args.sdpa)
-    trace, warmup_s, rounds = timed(step, batches, args, device)
+    trace, loads, warmup_s, rounds = timed(step, batches, args, trainer)
     losses, norms = ([round(float(t[k]), 5) for t in trace] for k in (0, 1))
     step_s, mem, reserved = worst_over_ranks(statistics.median(rounds), device)
     tokens = trainer.global_batch * config.training.seq_len
@@ -275,6 +281,10 @@ def measure(name: str, recipe_flags: list[str], args) -> dict:
                   params=trainer.model_config.num_params(),
                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   torch=torch.__version__)
+    if loads:   # throughput depends on the routing: every MoE figure carries its load balance
+        loads = [round(float(x), 3) for x in loads]
+        result.update(expert_load_max_over_mean=loads, expert_load_timed_max=max(loads[args.warmup:]),
+                      balanced_routing=trainer.model_config.moe.balanced)
     if args.check_replicas:
         result["replica_spread"] = replica_spread(trainer.parts)
     if args.profile_steps:
@@ -403,19 +413,22 @@ def summarize(path: str, peer_path: str | None, baseline: str | None = None) -> 
     if peer_path and os.path.exists(peer_path):
         peers = {r["layout"]: r for r in map(json.loads, open(peer_path)) if r.get("tokens_per_s_per_gpu")}
     print("| layout | GPUs | step ms (median) | tokens/s/GPU | MFU | peak GiB (allocated / reserved) "
-          "| peer tokens/s/GPU | peer peak GiB (reserved) | meshtron / peer |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| MoE load max/mean (timed steps' worst) | peer tokens/s/GPU | peer peak GiB (reserved) | meshtron / peer |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['layout']} | {r['world']} | {r['error'][:100]} | | | | | | |")
+            print(f"| {r['layout']} | {r['world']} | {r['error'][:100]} | | | | | | | |")
             continue
         p = peers.get(r["layout"], {})
         ratio = f"{r['tokens_per_s_per_gpu'] / p['tokens_per_s_per_gpu']:.3f}x" if p else ""
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else ""
+        load = ""
+        if "expert_load_timed_max" in r:
+            load = f"{r['expert_load_timed_max']:.2f}" + (" (balanced routing)" if r["balanced_routing"] else "")
         if r.get("profile"):
             print("  profile (ms/step): " + ", ".join(f"{k} {v:.1f}" for k, v in r["profile"].items()))
         print(f"| {r['layout']} | {r['world']} | {r['step_ms']:.1f} | {r['tokens_per_s_per_gpu']:,.0f} | {mfu} | "
-              f"{r['peak_mem_gib']:.1f} / {r.get('peak_reserved_gib', float('nan')):.1f} | "
+              f"{r['peak_mem_gib']:.1f} / {r.get('peak_reserved_gib', float('nan')):.1f} | {load} | "
               f"{p.get('tokens_per_s_per_gpu', 0):,.0f} | {p.get('peak_mem_gib', 0):.1f} "
               f"| {ratio} |")
 

@@ -58,6 +58,8 @@ class ModelConfig:
     """mixture of experts: aux-loss-free expert bias step per optimizer step (0: off; default: the preset's)"""
     moe_capacity: float | None = None
     """mixture of experts: capacity factor (0: dropless; default: the preset's)"""
+    moe_balanced_routing: bool = False
+    """mixture of experts, speed measurements only: experts assigned round-robin (equal loads), not by the router"""
 
 
 @dataclass

@@ -296,7 +296,8 @@ class Trainer:
         if self.moe_stats is not None:
             aux, dropped, routed, load = self.moe_stats.tolist()
             moe = {"aux_loss": aux, "expert_load_max_over_mean": load}
-            line += f" | aux {aux:.4f} | load max/mean {load:.2f}"
+            balanced = " (balanced routing)" if self.model_config.moe.balanced else ""
+            line += f" | aux {aux:.4f} | load max/mean {load:.2f}{balanced}"
             if self.model_config.moe.capacity > 0:
                 moe["dropped_fraction"] = dropped / max(routed, 1.0)
                 line += f" | dropped {100 * moe['dropped_fraction']:.1f}%"

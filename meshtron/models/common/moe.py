@@ -5,14 +5,15 @@ parallelism swaps in one that moves tokens by all-to-all, from outside).
 
     router   scores = softmax or sigmoid(x W_r) in fp32; the top-k of scores
              (+ the aux-loss-free expert bias, which only selects: DeepSeek-V3)
-             pick the experts; their scores (sigmoid ones renormalized) weigh
-             the experts' outputs, summed in fp32
+             pick the experts; their scores, renormalized to sum 1 (route_norm,
+             Qwen3's; always for sigmoid), weigh the experts' outputs, summed in
+             fp32. `balanced` (benchmarks only) assigns experts round-robin
     experts  SwiGLU w2(silu(x w1_gate) * x w1_up) or GeLU (x w1 + b1) -> w2 + b2,
              one grouped GEMM per projection over the tokens sorted by expert
     balance  the auxiliary loss a E sum_i f_i P_i (Switch / Megatron: f_i the
              fraction of routed tokens, P_i the mean score of expert i, both
              over every rank's tokens of the step), added to the gradients by
-             an autograd function without changing the logged loss; and/or the
+             an autograd function without changing the logged loss; and the
              expert bias, moved after each step towards equal token counts
     capacity dropless by default; with a capacity factor c each expert takes
              at most ceil(c k N / E) of the N tokens of the micro-batch (over
@@ -44,11 +45,13 @@ class MoEConfig:
     top_k: int = 2
     hidden: int = 256              # each expert's MLP width
     score: str = "softmax"         # router scores: softmax or sigmoid
+    route_norm: bool = True        # the chosen experts' weights renormalized to sum 1 (always for sigmoid)
     n_shared: int = 0              # shared experts (a dense MLP of n_shared * hidden applied to every token)
     aux_loss: float = 1e-2         # load-balancing loss coefficient (0: off)
-    bias_update: float = 0.0       # aux-loss-free expert bias step (0: off)
+    bias_update: float = 1e-3      # aux-loss-free expert bias step (0: off)
     capacity: float = 0.0          # capacity factor (0: dropless)
     activation: str = "swiglu"     # swiglu (Llama) or gelu (GPT, with biases)
+    balanced: bool = False         # benchmarks only: round-robin experts instead of the router's choice
 
 
 class StepSum(nn.Module):
@@ -93,9 +96,13 @@ class Router(nn.Module):
         with torch.autocast(x.device.type, enabled=False):   # fp32 under autocast too
             logits = F.linear(x.float(), self.gate.weight.float())
         scores = logits.softmax(-1) if self.cfg.score == "softmax" else logits.sigmoid()
-        experts = (scores.detach() + self.expert_bias).topk(self.cfg.top_k, dim=-1).indices
+        if self.cfg.balanced:   # token t's copies to experts kt, kt+1, ... (mod E): every expert equally loaded
+            k, n = self.cfg.top_k, x.shape[0]
+            experts = torch.arange(n * k, device=x.device).view(n, k) % self.cfg.n_experts
+        else:
+            experts = (scores.detach() + self.expert_bias).topk(self.cfg.top_k, dim=-1).indices
         weights = scores.gather(-1, experts)
-        if self.cfg.score == "sigmoid":
+        if self.cfg.route_norm or self.cfg.score == "sigmoid":
             weights = weights / weights.sum(-1, keepdim=True)
         return weights, experts, scores
 
@@ -248,8 +255,9 @@ def end_step(blocks: list[MoE]) -> torch.Tensor:
     out = torch.zeros(4, device=blocks[0].calls.device if blocks else None)
     for m in blocks:
         load = m.tokens_per_expert
-        if m.cfg.bias_update > 0:
-            m.router.expert_bias += m.cfg.bias_update * torch.sign(load.mean() - load)
+        if m.cfg.bias_update > 0 and not m.cfg.balanced:
+            step = m.cfg.bias_update * torch.sign(load.mean() - load)
+            m.router.expert_bias += step - step.mean()   # centred (torchtitan): only differences select
         out[:3] += torch.stack([m.aux_loss_sum, m.dropped, load.sum()]) / m.calls.clamp_min(1)
         out[3] = torch.maximum(out[3], load.max() / load.mean().clamp_min(1e-9))
         for b in (m.tokens_per_expert, m.aux_loss_sum, m.dropped, m.calls):
@@ -267,14 +275,19 @@ def moe_param_count(dim: int, cfg: MoEConfig, active: bool = False) -> int:
 
 
 def init_moe(moe: MoE, seed: int, prefix: str, std: float, out_std: float, normal, fill) -> None:
-    """Name-seeded init of an MoE block: the router and first projections N(0, std),
-    the output projections N(0, out_std), biases 0; the expert bias and the step's
-    statistics zeroed (buffers that building on meta leaves empty)."""
+    """Name-seeded init of an MoE block: the first projections N(0, std), the router
+    and the output projections N(0, out_std), biases 0; the expert bias and the
+    step's statistics zeroed (buffers that building on meta leaves empty).
+    The router's small init (torchtitan 0.2.2 draws it at the residual outputs'
+    scaled std too): at init the router inputs of all tokens share much of their
+    direction, so the common logits send most tokens to the same experts; smaller
+    logits leave the expert bias less to even out."""
     for name, p in moe.named_parameters():
         if name.endswith((".b1", ".b2")):
             full = torch.zeros(p.shape)
         else:
-            full = normal(p.shape, out_std if name.endswith(".w2") else std, seed, f"{prefix}.{name}")
+            scaled = name.endswith(".w2") or name.startswith("router.")
+            full = normal(p.shape, out_std if scaled else std, seed, f"{prefix}.{name}")
         fill(p, full)
     for b in moe.buffers():
         b.zero_()
