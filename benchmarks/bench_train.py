@@ -122,7 +122,7 @@ def sync(device):
 def measure(name: str, recipe_flags: list[str], args) -> dict:
     world, flags = flags_of(name)
     # lr 1e-4 unless the flags say otherwise: at the recipe's 1e-3 the first steps of a
-    # 1B model are chaotic and layouts' losses part within a few steps (RESULTS.md, ninth session)
+    # 1B model are chaotic and layouts' losses part within a few steps (HISTORY.md, ninth session)
     config = Config.from_args(["--dtype", "bf16", "--lr", "1e-4", "--steps", str(args.warmup + args.rounds * args.steps
                                                                                  + 1)]
                               + recipe_flags + flags, models=models.PRESETS)
@@ -365,7 +365,7 @@ def main():
             continue
         if compiled and "async" in name and name.endswith("_compile"):
             # measured on torch 2.11: built after a plain compiled layout in one process,
-            # async TP's first gradients differed from its own run alone (RESULTS.md)
+            # async TP's first gradients differed from its own run alone (HISTORY.md, ninth session)
             result = dict(layout=name, world=world, error="a compiled async-TP layout must be the first compiled "
                           "layout of its process: give it its own torchrun")
         else:

@@ -17,14 +17,17 @@ How a block is run (see docs/testing.md):
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import importlib
+import io
 import os
 import re
-import shlex
+import runpy
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass, field
 
 import pytest
@@ -210,39 +213,58 @@ def test_meshtron_names_resolve(page):
 
 # ---------------------------------------------------------------- flags
 
-PROGRAMS = {  # how a command line names the program, and how to ask it for its help
-    "recipes/train.py": None,    # the trainer: meshtron.config.parser()
-    "recipes/generate.py": ["recipes/generate.py"],
-    "recipes/own_model.py": [],
-    "meshtron.plan calibrate": ["-m", "meshtron.plan", "calibrate"],
-    "meshtron.plan": ["-m", "meshtron.plan"],
-    "meshtron.data.prepare": ["-m", "meshtron.data.prepare"],
-    "meshtron.data.train_tokenizer": ["-m", "meshtron.data.train_tokenizer"],
-    "meshtron.plot": ["-m", "meshtron.plot"],
-    "benchmarks/bench_train.py": ["benchmarks/bench_train.py"],
-    "benchmarks/bench_plan.py": ["benchmarks/bench_plan.py"],
-    "benchmarks/bench_cp.py": ["benchmarks/bench_cp.py"],
-    "benchmarks/bench_moe.py": ["benchmarks/bench_moe.py"],
-    "benchmarks/bench_kernels.py": ["benchmarks/bench_kernels.py"],
-    "benchmarks/bench_async_tp.py": ["benchmarks/bench_async_tp.py"],
-    "torchrun": ["-m", "torch.distributed.run"],
+PROGRAMS = {  # how a command line names a program -> how to ask it for its help (run in this process)
+    "recipes/train.py": "trainer",
+    "recipes/generate.py": "recipes/generate.py",
+    "recipes/own_model.py": None,
+    "meshtron.plan calibrate": ("meshtron.plan", "calibrate"),
+    "meshtron.plan": ("meshtron.plan",),
+    "meshtron.data.prepare": ("meshtron.data.prepare",),
+    "meshtron.data.train_tokenizer": ("meshtron.data.train_tokenizer",),
+    "meshtron.plot": ("meshtron.plot",),
+    "benchmarks/bench_train.py": "benchmarks/bench_train.py",
+    "benchmarks/bench_plan.py": "benchmarks/bench_plan.py",
+    "benchmarks/bench_cp.py": "benchmarks/bench_cp.py",
+    "benchmarks/bench_moe.py": "benchmarks/bench_moe.py",
+    "benchmarks/bench_kernels.py": "benchmarks/bench_kernels.py",
+    "benchmarks/bench_async_tp.py": "benchmarks/bench_async_tp.py",
+    "benchmarks/compare_grads.py": "docstring",    # no --help: its flags are in its docstring
+    "torchrun": "torchrun",
 }
 PASSES_TO_TRAINER = ("benchmarks/bench_train.py", "benchmarks/bench_plan.py", "benchmarks/compare_grads.py")
 
 
+def help_text(program: str) -> str:
+    how = PROGRAMS[program]
+    if how == "trainer":
+        from meshtron.config import parser
+        return parser().format_help()
+    if how == "torchrun":
+        from torch.distributed.run import get_args_parser
+        return get_args_parser().format_help()
+    if how == "docstring":
+        return read(program).split('"""')[1]
+    argv = [program] + list(how[1:]) + ["--help"] if isinstance(how, tuple) else [how, "--help"]
+    out, old_argv = io.StringIO(), sys.argv
+    try:
+        sys.argv = argv
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)   # runpy: the module is imported already
+            if isinstance(how, tuple):
+                runpy.run_module(how[0], run_name="__main__", alter_sys=False)
+            else:
+                runpy.run_path(os.path.join(ROOT, how), run_name="__main__")
+    finally:
+        sys.argv = old_argv
+    return out.getvalue()
+
+
 @functools.cache
 def flags_of(program: str) -> frozenset:
-    if PROGRAMS.get(program) is None and program == "recipes/train.py":
-        from meshtron.config import parser
-        text = parser().format_help()
-    elif not PROGRAMS.get(program):
+    if PROGRAMS[program] is None:
         return frozenset()
-    else:
-        out = subprocess.run([sys.executable] + PROGRAMS[program] + ["--help"], cwd=ROOT, capture_output=True,
-                             text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
-        assert out.returncode == 0, f"{program} --help failed: {out.stderr[-2000:]}"
-        text = out.stdout
-    flags = set(re.findall(r"--[a-z][\w-]*", text))
+    flags = set(re.findall(r"--[a-z][\w-]*", help_text(program)))
+    assert flags, f"{program} --help printed no flags"
     if program in PASSES_TO_TRAINER:
         flags |= flags_of("recipes/train.py")
     return frozenset(flags)
@@ -251,17 +273,15 @@ def flags_of(program: str) -> frozenset:
 def commands(text: str):
     """(program, flags) of every command in a shell block; the flags are those after the program's name."""
     text = re.sub(r"\\\n\s*", " ", text)
+    text = re.sub(r"\"[^\"]*\"|'[^']*'", "''", text)     # quoted strings are values, not flags
     for line in text.splitlines():
-        line = line.split(" #")[0] if not line.startswith("#") else ""
-        for cmd in re.split(r"&&|\|\||;|\|", line):
-            words = shlex.split(cmd, comments=True) if cmd.strip() else []
-            joined = " ".join(words)
-            names = [p for p in PROGRAMS if re.search(rf"(^|[\s/-]){re.escape(p)}(\s|$)", joined) and p != "torchrun"]
-            if "torchrun" in words or "torch.distributed.run" in words:
-                before = joined.split(names[0])[0] if names else joined
-                yield "torchrun", re.findall(r"(?<!\S)--[a-z][\w-]*", before)
-            for p in sorted(names, key=len, reverse=True)[:1]:
-                yield p, re.findall(r"(?<!\S)--[a-z][\w-]*", joined.split(p, 1)[1])
+        for cmd in re.split(r"&&|\|\||;|\|", line.split("#")[0]):
+            names = [p for p in PROGRAMS if p != "torchrun" and re.search(rf"(^|[\s/-]){re.escape(p)}(\s|$)", cmd)]
+            name = max(names, key=len) if names else None
+            if re.search(r"(^|[\s/])(torchrun|torch\.distributed\.run)\s", cmd):
+                yield "torchrun", re.findall(r"(?<!\S)--[a-z][\w-]*", cmd.split(name)[0] if name else cmd)
+            if name:
+                yield name, re.findall(r"(?<!\S)--[a-z][\w-]*", cmd.split(name, 1)[1])
 
 
 @pytest.mark.parametrize("page", PAGES)

@@ -17,7 +17,7 @@ at dp = 1 too: bf16 weights and activations, the residual stream included, with
 fp32 master weights, as Megatron's mixed precision, and the same numerics at
 every dp degree (on a size-1 mesh its gathers are local copies). Autocast on
 fp32 weights instead keeps an fp32 residual stream and recasts every weight each
-forward, which is slower (benchmarks/RESULTS.md).
+forward, which is slower (benchmarks/HISTORY.md, second session).
 """
 from __future__ import annotations
 
