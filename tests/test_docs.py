@@ -12,8 +12,9 @@ How a block is run (see docs/testing.md):
   `--steps N`; check=NAME runs CHECKS[NAME] on its output and directory;
 - a first line `# gpu: why` or `# cluster: why` marks a block that needs a GPU or
   several machines: it is skipped, and its test id says so;
-- README's set-up blocks (they create .venv) are not run here but compared with
-  .ci/run, which runs them verbatim.
+- set-up steps (creating .venv, pip install) are dropped: the test runs in an
+  installed venv; README's test command is not run here but compared with .ci/run,
+  which runs it verbatim.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import io
 import os
 import re
 import runpy
+import socket
 import subprocess
 import sys
 import warnings
@@ -51,8 +53,9 @@ class Block:
         return m.group(1) if m and m.group(1) in SKIP_MARKERS else None
 
     @property
-    def setup(self) -> bool:
-        return self.text.startswith("python3 -m venv")
+    def ci(self) -> bool:
+        """The test suite's own command (README's), which .ci/run runs: compared with it, not run here."""
+        return " -m pytest" in self.text
 
 
 def read(page: str) -> str:
@@ -70,7 +73,7 @@ def code_blocks(page: str, lang: str = "bash") -> list[Block]:
 
 
 def block_id(b: Block) -> str:
-    kind = b.marker or ("setup" if b.setup else "run")
+    kind = b.marker or ("ci" if b.ci else "run")
     return f"{b.page}:{b.line}-{kind}"
 
 
@@ -91,7 +94,7 @@ def real_data(stdout: str, cwd: str) -> None:
 def resumed(stdout: str, cwd: str) -> None:
     """docs/checkpoints.md: the second run resumed (under another layout) instead of starting again."""
     assert "resumed" in stdout.lower(), stdout[-3000:]
-    assert os.path.exists(os.path.join(cwd, "out", "tiny-hf", "config.json"))
+    assert os.path.exists(os.path.join(cwd, "out", "gpt2", "config.json"))
 
 
 CHECKS = {"real_data": real_data, "resumed": resumed}
@@ -112,8 +115,22 @@ def workdirs(tmp_path_factory):
     return get
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+INSTALL = re.compile(r"python3 -m venv \S+|\S*pip install .*")
+
+
+def without_install(text: str) -> str:
+    """A command line less its set-up steps (creating .venv, pip install): the test runs in an installed venv."""
+    return " && ".join(p for p in text.strip().split(" && ") if not INSTALL.fullmatch(p.strip()))
+
+
 def as_run(b: Block) -> str:
-    script = b.text.replace(".venv/bin/", "")
+    script = without_install(b.text).replace(".venv/bin/", "")
     if "steps" in b.attrs:
         script = re.sub(r"--steps \d+", f"--steps {b.attrs['steps']}", script)
     return script
@@ -122,7 +139,7 @@ def as_run(b: Block) -> str:
 def run_params():
     for b in ALL_BLOCKS:
         marks = [pytest.mark.skip(reason=f"{SKIP_MARKERS[b.marker]}: {b.text.splitlines()[0]}")] if b.marker else []
-        if not b.setup:
+        if not b.ci:
             yield pytest.param(b, id=block_id(b), marks=marks)
 
 
@@ -133,6 +150,8 @@ def test_block_runs(block: Block, workdirs):
     env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"], OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     env.pop("TRITON_INTERPRET", None)    # conftest's, for the kernels' tests; the commands run as a user's would
+    port = str(free_port())              # torchrun's and the one-process recipe's default ports may be taken
+    env.update(PET_MASTER_PORT=port, MASTER_PORT=port)
     out = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", as_run(block)], cwd=cwd, env=env,
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, f"{block_id(block)}\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
@@ -142,10 +161,11 @@ def test_block_runs(block: Block, workdirs):
 
 def test_readme_set_up_is_what_ci_runs():
     ci = [ln for ln in read(".ci/run").splitlines() if ln.strip() and not ln.startswith(("#", "set ", "cd "))]
-    setup = [b.text.strip() for b in code_blocks("README.md") if b.setup]
-    assert len(setup) == 2 and ci == [setup[1]], (setup, ci)
-    install = setup[0].replace(" -q", "")
-    assert setup[1].replace(" -q", "").startswith(install), "the train set-up and the test set-up install alike"
+    readme = code_blocks("README.md")
+    assert [b.text.strip() for b in readme if b.ci] == ci, "README's test command is .ci/run's, verbatim"
+    train = readme[0].text.strip()
+    install = train[:len(train) - len(without_install(train))].replace(" -q", "")
+    assert install and ci[0].replace(" -q", "").startswith(install), "README's first command installs as CI does"
 
 
 # ---------------------------------------------------------------- links, paths, names
