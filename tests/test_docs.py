@@ -208,6 +208,19 @@ def test_paths_exist(page):
                 assert glob.glob(os.path.join(ROOT, word)), f"{page}: {word} does not exist"
 
 
+def test_the_tree_lists_real_files():
+    """docs/design.md's tree of the code: every entry (the first word of each line) exists."""
+    tree = next(b.text for b in code_blocks("docs/design.md", "text") if b.text.startswith("meshtron/"))
+    folders: list[tuple[int, str]] = []
+    for line in tree.splitlines():
+        indent, name = len(line) - len(line.lstrip()), line.split()[0]
+        folders = [(i, f) for i, f in folders if i < indent]
+        path = os.path.join(*[f for _, f in folders], name)
+        assert os.path.exists(os.path.join(ROOT, path)), f"docs/design.md lists {path}, which does not exist"
+        if name.endswith("/"):
+            folders.append((indent, name))
+
+
 def resolve(name: str) -> None:
     parts = name.split(".")
     for i in range(len(parts), 0, -1):
