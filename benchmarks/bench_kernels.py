@@ -1,7 +1,7 @@
 """GB/s of meshtron's Triton kernels against their peers, on one GPU: LayerNorm and
 bias-GeLU (GPT), RMSNorm and SwiGLU (Llama).
 
-    python benchmarks/bench_kernels.py                          # the tables (RESULTS.md records them)
+    python benchmarks/bench_kernels.py                          # the tables (RESULTS.md, "Kernels")
     python benchmarks/bench_kernels.py --sweep                  # also time kernel configs per shape
     python benchmarks/bench_kernels.py --only rms_norm,swiglu   # some ops only
     python benchmarks/bench_kernels.py --smoke                  # tiny CPU run: the script works, no numbers

@@ -483,7 +483,7 @@ def main():
             continue
         if compiled and "async" in name and name.endswith("_compile"):
             # measured on torch 2.11: built after a plain compiled layout in one process,
-            # async TP's first gradients differed from its own run alone (RESULTS.md)
+            # async TP's first gradients differed from its own run alone (HISTORY.md, ninth session)
             result = dict(layout=name, world=world, error="a compiled async-TP layout must be the first compiled "
                           "layout of its process: give it its own torchrun")
         else:

@@ -1,6 +1,6 @@
 """Two builds of one layout (e.g. compiled against eager, or an experiment against
 the shipped path) on the same GPUs, seed and batches: the per-parameter relative
-difference of their gradients after each of the first --steps steps, worst first.
+difference of their gradients after each of the first --steps-compared steps (default 2), worst first.
 Where one tensor stands far above the rest's bf16 noise, that parameter's gradient
 path differs between the two builds.
 

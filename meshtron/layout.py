@@ -42,7 +42,7 @@ def resolve_layout(c: Config, world: int):
     `world` ranks, after every check of the layout against the model."""
     par, tr = c.parallel, c.training
     # compiled blocks take plain norms and activations: inductor fuses them itself, and
-    # the Triton custom ops are opaque to it and slower there (benchmarks/RESULTS.md)
+    # the Triton custom ops are opaque to it and slower there (benchmarks/HISTORY.md, first session)
     fused = c.model.fused_kernels and not par.compile
     if c.checkpoint.init_from_hf:
         spec, mc = models.from_hf(c.checkpoint.init_from_hf)

@@ -20,7 +20,7 @@ class AdamW(torch.optim.AdamW):
     state tensor shares its placements, so the update of the local shards is the
     update of the whole. Stepping on DTensors instead costs a DTensor dispatch
     per tensor per op (the fused step alone took 41 ms of host time a step for a
-    1.3B GPT at tp=2; benchmarks/RESULTS.md). Gradients left Partial are reduced
+    1.3B GPT at tp=2; benchmarks/HISTORY.md, first session). Gradients left Partial are reduced
     first (`reduce_partial_grads`)."""
 
     @torch.no_grad()

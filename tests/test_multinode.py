@@ -1,5 +1,5 @@
 """Several machines: two torchrun processes ("nodes") of two ranks each meet at
-one rendezvous endpoint, as the README's multi-node commands do; tp stays inside
+one rendezvous endpoint, as docs/parallelism.md's multi-node commands do; tp stays inside
 a node and HSDP puts its replicas across nodes. Losses equal one process's."""
 import json
 import os

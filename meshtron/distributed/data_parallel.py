@@ -2,8 +2,8 @@
 
 Every stage is one `fully_shard` call per transformer block plus one on the
 root, over the dense data-parallel sub-mesh dp x cp x ep. What each stage keeps
-per rank and sends per step is tabled once, in the README ("Data parallelism
-and ZeRO"), and measured by tests/distributed/test_data_parallel.py. Stages 0-2
+per rank and sends per step is tabled once, in docs/parallelism.md ("Data
+parallelism and ZeRO"), and measured by tests/distributed/test_data_parallel.py. Stages 0-2
 keep the gathered weights from the first forward to the last backward of the
 step (one all-gather per step); zero 3 gathers them per use.
 

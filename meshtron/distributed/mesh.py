@@ -6,7 +6,7 @@ tp and ep are innermost so that on a real cluster they map to GPUs of one node
 gradient reduction happens once per step and overlaps with compute.
 
 Nothing in meshtron builds a process group by hand: each module asks this file
-for a named sub-mesh (`submesh(mesh, name)`); the README's mesh table says what
+for a named sub-mesh (`submesh(mesh, name)`); docs/parallelism.md's mesh table says what
 each is for. cp ranks hold different tokens of the same samples, so for dense
 weights they are data parallel too (Megatron's "data parallel group with context
 parallel"). Size-1 axes are kept in the mesh (so code never special-cases a

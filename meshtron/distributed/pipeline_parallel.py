@@ -15,7 +15,7 @@ hold (user_pipeline.py), and the split is checked against one process first.
 
 Communication: one send/recv of a (micro-batch, T, d) activation per stage
 boundary and micro-batch, forward and backward (T/tp under SP). The bubble of
-each schedule (`bubble_fraction`) is tabled in the README ("Pipeline
+each schedule (`bubble_fraction`) is tabled in docs/parallelism.md ("Pipeline
 parallelism"); 1F1B keeps at most p micro-batches of activations alive on the
 first stage (GPipe keeps all m), which a test measures.
 """

@@ -1,0 +1,337 @@
+"""The documentation is tested: every ```bash block of README.md and docs/*.md runs
+as written on the CPU, and every link, path, meshtron name and --flag it mentions
+exists.
+
+How a block is run (see docs/testing.md):
+- from a scratch directory per page, which holds links to the checkout's top-level
+  entries (recipes/, benchmarks/, ...), so a page's blocks run in order and share
+  their outputs (a later block resumes an earlier one's checkpoint);
+- `.venv/bin/` is dropped and the test's own interpreter comes first on PATH, with
+  the checkout first on PYTHONPATH;
+- the fence's attributes shorten it: ```bash steps=N runs every `--steps M` as
+  `--steps N`; check=NAME runs CHECKS[NAME] on its output and directory;
+- a first line `# gpu: why` or `# cluster: why` marks a block that needs a GPU or
+  several machines: it is skipped, and its test id says so;
+- set-up steps (creating .venv, pip install) are dropped: the test runs in an
+  installed venv; README's test command is not run here but compared with .ci/run,
+  which runs it verbatim.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import glob
+import importlib
+import io
+import os
+import re
+import runpy
+import socket
+import subprocess
+import sys
+import warnings
+from dataclasses import dataclass, field
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+CHECKED = PAGES + ["benchmarks/RESULTS.md"]   # links, paths, names and flags (HISTORY.md keeps old names as they were)
+SKIP_MARKERS = {"gpu": "needs a GPU", "cluster": "needs several machines"}
+TOP_LEVEL = ("meshtron/", "tests/", "benchmarks/", "recipes/", "docs/", ".ci/")
+
+
+@dataclass
+class Block:
+    page: str
+    line: int
+    text: str
+    attrs: dict = field(default_factory=dict)
+
+    @property
+    def marker(self) -> str | None:
+        m = re.match(r"#\s*(\w+):", self.text)
+        return m.group(1) if m and m.group(1) in SKIP_MARKERS else None
+
+    @property
+    def ci(self) -> bool:
+        """The test suite's own command (README's), which .ci/run runs: compared with it, not run here."""
+        return " -m pytest" in self.text
+
+
+def read(page: str) -> str:
+    with open(os.path.join(ROOT, page)) as f:
+        return f.read()
+
+
+def code_blocks(page: str, lang: str = "bash") -> list[Block]:
+    out = []
+    for m in re.finditer(r"^```(\S*)([^\n]*)\n(.*?)^```", read(page), re.S | re.M):
+        if m.group(1) == lang:
+            attrs = dict(a.split("=", 1) for a in m.group(2).split())
+            out.append(Block(page, read(page)[:m.start()].count("\n") + 1, m.group(3), attrs))
+    return out
+
+
+def block_id(b: Block) -> str:
+    kind = b.marker or ("ci" if b.ci else "run")
+    return f"{b.page}:{b.line}-{kind}"
+
+
+ALL_BLOCKS = [b for page in PAGES for b in code_blocks(page)]
+
+
+# ---------------------------------------------------------------- running the blocks
+
+def real_data(stdout: str, cwd: str) -> None:
+    """docs/data.md's walk-through: evaluation falls, the plot is a PNG, a sample is printed."""
+    evals = [float(m) for m in re.findall(r"eval +\d+/60 \| loss ([\d.]+)", stdout)]
+    assert len(evals) == 3 and evals[-1] < evals[0], stdout
+    with open(os.path.join(cwd, "runs", "real", "curves.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert stdout.strip().splitlines()[-1].strip(), "no sample"
+
+
+def resumed(stdout: str, cwd: str) -> None:
+    """docs/checkpoints.md: the second run resumed (under another layout) instead of starting again."""
+    assert "resumed" in stdout.lower(), stdout[-3000:]
+    assert os.path.exists(os.path.join(cwd, "out", "gpt2", "config.json"))
+
+
+CHECKS = {"real_data": real_data, "resumed": resumed}
+
+
+@pytest.fixture(scope="module")
+def workdirs(tmp_path_factory):
+    dirs = {}
+
+    def get(page: str) -> str:
+        if page not in dirs:
+            d = tmp_path_factory.mktemp(re.sub(r"\W", "_", page))
+            for name in os.listdir(ROOT):
+                if name not in (".git", ".venv", "runs") and not name.startswith(".pytest"):
+                    os.symlink(os.path.join(ROOT, name), d / name)
+            dirs[page] = str(d)
+        return dirs[page]
+    return get
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+INSTALL = re.compile(r"python3 -m venv \S+|\S*pip install .*")
+
+
+def without_install(text: str) -> str:
+    """A command line less its set-up steps (creating .venv, pip install): the test runs in an installed venv."""
+    return " && ".join(p for p in text.strip().split(" && ") if not INSTALL.fullmatch(p.strip()))
+
+
+def as_run(b: Block) -> str:
+    script = without_install(b.text).replace(".venv/bin/", "")
+    if "steps" in b.attrs:
+        script = re.sub(r"--steps \d+", f"--steps {b.attrs['steps']}", script)
+    return script
+
+
+def run_params():
+    for b in ALL_BLOCKS:
+        marks = [pytest.mark.skip(reason=f"{SKIP_MARKERS[b.marker]}: {b.text.splitlines()[0]}")] if b.marker else []
+        if not b.ci:
+            yield pytest.param(b, id=block_id(b), marks=marks)
+
+
+@pytest.mark.parametrize("block", list(run_params()))
+def test_block_runs(block: Block, workdirs):
+    cwd = workdirs(block.page)
+    bin_dir = os.path.dirname(os.path.abspath(sys.executable))
+    env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"], OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    env.pop("TRITON_INTERPRET", None)    # conftest's, for the kernels' tests; the commands run as a user's would
+    port = str(free_port())              # torchrun's and the one-process recipe's default ports may be taken
+    env.update(PET_MASTER_PORT=port, MASTER_PORT=port)
+    out = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", as_run(block)], cwd=cwd, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, f"{block_id(block)}\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
+    if "check" in block.attrs:
+        CHECKS[block.attrs["check"]](out.stdout, cwd)
+
+
+def test_readme_set_up_is_what_ci_runs():
+    ci = [ln for ln in read(".ci/run").splitlines() if ln.strip() and not ln.startswith(("#", "set ", "cd "))]
+    readme = code_blocks("README.md")
+    assert [b.text.strip() for b in readme if b.ci] == ci, "README's test command is .ci/run's, verbatim"
+    train = readme[0].text.strip()
+    install = train[:len(train) - len(without_install(train))].replace(" -q", "")
+    assert install and ci[0].replace(" -q", "").startswith(install), "README's first command installs as CI does"
+
+
+# ---------------------------------------------------------------- links, paths, names
+
+def prose(page: str) -> str:
+    return re.sub(r"^```.*?^```", "", read(page), flags=re.S | re.M)
+
+
+def slug(heading: str) -> str:
+    s = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return s.replace(" ", "-")
+
+
+@pytest.mark.parametrize("page", CHECKED)
+def test_links_resolve(page):
+    here = os.path.dirname(os.path.join(ROOT, page))
+    for target in re.findall(r"\]\(([^)\s]+)\)", prose(page)):
+        if re.match(r"[a-z]+:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        full = os.path.normpath(os.path.join(here, path)) if path else os.path.join(ROOT, page)
+        assert os.path.exists(full), f"{page}: link to {target}: no such file"
+        if anchor and full.endswith(".md"):
+            with open(full) as f:
+                anchors = {slug(h) for h in re.findall(r"^#+ (.*)$", f.read(), re.M)}
+            assert anchor in anchors, f"{page}: link to {target}: no such heading"
+
+
+def code_spans(page: str) -> list[str]:
+    return re.findall(r"`([^`\n]+)`", prose(page))
+
+
+@pytest.mark.parametrize("page", CHECKED)
+def test_paths_exist(page):
+    for span in code_spans(page) + [w for b in code_blocks(page) for w in b.text.split()]:
+        for word in span.split():
+            word = word.split("::")[0].rstrip(".,;:)")
+            if word.startswith(TOP_LEVEL) and not re.search(r"[$<{]", word):
+                assert glob.glob(os.path.join(ROOT, word)), f"{page}: {word} does not exist"
+
+
+def test_the_tree_lists_real_files():
+    """docs/design.md's tree of the code: every entry (the first word of each line) exists."""
+    tree = next(b.text for b in code_blocks("docs/design.md", "text") if b.text.startswith("meshtron/"))
+    folders: list[tuple[int, str]] = []
+    for line in tree.splitlines():
+        indent, name = len(line) - len(line.lstrip()), line.split()[0]
+        folders = [(i, f) for i, f in folders if i < indent]
+        path = os.path.join(*[f for _, f in folders], name)
+        assert os.path.exists(os.path.join(ROOT, path)), f"docs/design.md lists {path}, which does not exist"
+        if name.endswith("/"):
+            folders.append((indent, name))
+
+
+def resolve(name: str) -> None:
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return
+    raise ImportError(name)
+
+
+@pytest.mark.parametrize("page", CHECKED)
+def test_meshtron_names_resolve(page):
+    for span in code_spans(page):
+        for name in re.findall(r"\bmeshtron(?:\.\w+)+", span):
+            if not name.endswith((".json", ".py", ".md")):
+                try:
+                    resolve(name)
+                except (ImportError, AttributeError) as e:
+                    pytest.fail(f"{page}: `{span}` names {name}, which does not resolve: {e}")
+
+
+# ---------------------------------------------------------------- flags
+
+PROGRAMS = {  # how a command line names a program -> how to ask it for its help (run in this process)
+    "recipes/train.py": "trainer",
+    "recipes/generate.py": "recipes/generate.py",
+    "recipes/own_model.py": None,
+    "meshtron.plan calibrate": ("meshtron.plan", "calibrate"),
+    "meshtron.plan": ("meshtron.plan",),
+    "meshtron.data.prepare": ("meshtron.data.prepare",),
+    "meshtron.data.train_tokenizer": ("meshtron.data.train_tokenizer",),
+    "meshtron.plot": ("meshtron.plot",),
+    "benchmarks/bench_train.py": "benchmarks/bench_train.py",
+    "benchmarks/bench_plan.py": "benchmarks/bench_plan.py",
+    "benchmarks/bench_cp.py": "benchmarks/bench_cp.py",
+    "benchmarks/bench_moe.py": "benchmarks/bench_moe.py",
+    "benchmarks/bench_kernels.py": "benchmarks/bench_kernels.py",
+    "benchmarks/bench_async_tp.py": "benchmarks/bench_async_tp.py",
+    "benchmarks/compare_grads.py": "docstring",    # no --help: its flags are in its docstring
+    "torchrun": "torchrun",
+}
+PASSES_TO_TRAINER = ("benchmarks/bench_train.py", "benchmarks/bench_plan.py", "benchmarks/compare_grads.py")
+
+
+def help_text(program: str) -> str:
+    how = PROGRAMS[program]
+    if how == "trainer":
+        from meshtron.config import parser
+        return parser().format_help()
+    if how == "torchrun":
+        from torch.distributed.run import get_args_parser
+        return get_args_parser().format_help()
+    if how == "docstring":
+        return read(program).split('"""')[1]
+    argv = [program] + list(how[1:]) + ["--help"] if isinstance(how, tuple) else [how, "--help"]
+    out, old_argv = io.StringIO(), sys.argv
+    try:
+        sys.argv = argv
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)   # runpy: the module is imported already
+            if isinstance(how, tuple):
+                runpy.run_module(how[0], run_name="__main__", alter_sys=False)
+            else:
+                runpy.run_path(os.path.join(ROOT, how), run_name="__main__")
+    finally:
+        sys.argv = old_argv
+    return out.getvalue()
+
+
+@functools.cache
+def flags_of(program: str) -> frozenset:
+    if PROGRAMS[program] is None:
+        return frozenset()
+    flags = set(re.findall(r"--[a-z][\w-]*", help_text(program)))
+    assert flags, f"{program} --help printed no flags"
+    if program in PASSES_TO_TRAINER:
+        flags |= flags_of("recipes/train.py")
+    return frozenset(flags)
+
+
+def commands(text: str):
+    """(program, flags) of every command in a shell block; the flags are those after the program's name."""
+    text = re.sub(r"\\\n\s*", " ", text)
+    text = re.sub(r"\"[^\"]*\"|'[^']*'", "''", text)     # quoted strings are values, not flags
+    for line in text.splitlines():
+        for cmd in re.split(r"&&|\|\||;|\|", line.split("#")[0]):
+            names = [p for p in PROGRAMS if p != "torchrun" and re.search(rf"(^|[\s/-]){re.escape(p)}(\s|$)", cmd)]
+            name = max(names, key=len) if names else None
+            if re.search(r"(^|[\s/])(torchrun|torch\.distributed\.run)\s", cmd):
+                yield "torchrun", re.findall(r"(?<!\S)--[a-z][\w-]*", cmd.split(name)[0] if name else cmd)
+            if name:
+                yield name, re.findall(r"(?<!\S)--[a-z][\w-]*", cmd.split(name, 1)[1])
+
+
+@pytest.mark.parametrize("page", CHECKED)
+def test_command_flags_exist(page):
+    for b in code_blocks(page):
+        for program, flags in commands(b.text):
+            known = flags_of(program)
+            if known:
+                missing = [f for f in flags if f.split("=")[0] not in known]
+                assert not missing, f"{page}:{b.line}: {program} has no {missing}"
+
+
+@pytest.mark.parametrize("page", CHECKED)
+def test_prose_flags_exist(page):
+    """A --flag named in the text is the trainer's, or one of the documented tools' (torchrun, the planner,
+    the benchmarks, the data tools)."""
+    known = set().union(*(flags_of(p) for p in PROGRAMS))
+    missing = sorted({f for f in re.findall(r"(?<![\w-])--[a-z][\w-]*", prose(page)) if f not in known})
+    assert not missing, f"{page}: no program documented here has {missing}"
