@@ -1,4 +1,4 @@
-"""The planner's predictions (meshtron.plan.predict) against measured runs of the
+"""The planner's predictions (meshtron.planner.plan.predict) against measured runs of the
 same layouts: peak memory (torch.cuda.max_memory_allocated, the largest over
 ranks) and step time (bench_train's median), per layout and as a mean absolute
 percentage error.
@@ -30,10 +30,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench_train  # noqa: E402
 
-from meshtron import Config, models, plan  # noqa: E402
+from meshtron import Config, models  # noqa: E402
 from meshtron.distributed.mesh import resolve_degrees  # noqa: E402
-from meshtron.layout import batch_layout  # noqa: E402
-from meshtron.trainer import init_process_group  # noqa: E402
+from meshtron.planner import plan  # noqa: E402
+from meshtron.train.layout import batch_layout  # noqa: E402
+from meshtron.train.trainer import init_process_group  # noqa: E402
 
 GB16 = ["--seq-len", "2048", "--global-batch", "16"]
 SUITES = {   # world size, [recipe flags]

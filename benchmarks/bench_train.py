@@ -17,7 +17,7 @@ it, then timed: --warmup steps (compilation happens there), then --rounds rounds
 of --steps steps between two GPU synchronisations (the CPU runs ahead as in
 training); the step time is the median round / steps. tokens/s/GPU = global
 batch x sequence / step time / GPUs; MFU = tokens/s/GPU x the model's
-flops_per_token / the GPU's dense bf16 peak (meshtron.metrics); peak memory is
+flops_per_token / the GPU's dense bf16 peak (meshtron.train.metrics); peak memory is
 torch.cuda.max_memory_allocated (and _reserved, which torchtitan logs), the
 largest over ranks. Every step's loss and gradient norm are recorded (`losses`,
 `grad_norms`): all layouts train the same batches from the same weights, at lr
@@ -42,8 +42,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from meshtron import Config, Trainer, models  # noqa: E402
 from meshtron.distributed.pipeline_parallel import bubble_fraction  # noqa: E402
-from meshtron.metrics import peak_tflops  # noqa: E402
-from meshtron.trainer import init_process_group  # noqa: E402
+from meshtron.train.metrics import peak_tflops  # noqa: E402
+from meshtron.train.trainer import init_process_group  # noqa: E402
 
 LAYOUTS = {  # name: (GPUs, recipe flags); bf16 compute, fp32 master weights and reduction throughout
     "1gpu": (1, []),
@@ -241,7 +241,7 @@ def bubble(result: dict, par, microbatches: int, world: int, device) -> None:
 def measure(name: str, recipe_flags: list[str], args) -> dict:
     world, flags = flags_of(name)
     # lr 1e-4 unless the flags say otherwise: at the recipe's 1e-3 the first steps of a
-    # 1B model are chaotic and layouts' losses part within a few steps (RESULTS.md, ninth session)
+    # 1B model are chaotic and layouts' losses part within a few steps (HISTORY.md, ninth session)
     steps = args.warmup + args.rounds * args.steps + 1
     config = Config.from_args(["--dtype", "bf16", "--lr", "1e-4", "--steps", str(steps)] + recipe_flags + flags,
                               models=models.PRESETS)

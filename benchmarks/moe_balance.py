@@ -23,10 +23,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import meshtron.trainer as trainer_module  # noqa: E402
+import meshtron.train.trainer as trainer_module  # noqa: E402
 from meshtron import Config, Trainer, models  # noqa: E402
 from meshtron.models.common.moe import moe_blocks  # noqa: E402
-from meshtron.trainer import init_process_group  # noqa: E402
+from meshtron.train.trainer import init_process_group  # noqa: E402
 
 
 def main(argv=None) -> dict:

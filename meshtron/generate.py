@@ -19,13 +19,14 @@ import sys
 import torch
 import torch.distributed as dist
 
-from meshtron import checkpoint, hf, models
+from meshtron import models
 from meshtron.config import ParallelConfig
 from meshtron.distributed.agree import agree
 from meshtron.distributed.mesh import init_mesh
 from meshtron.distributed.tied import materialize
 from meshtron.models.common.kv_cache import KVCache
-from meshtron.trainer import init_process_group
+from meshtron.train import checkpoint, hf
+from meshtron.train.trainer import init_process_group
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,

@@ -21,10 +21,10 @@ from meshtron.data import BatchLoader, load_tokens  # noqa: E402
 from meshtron.distributed.mesh import batch_slice  # noqa: E402
 from meshtron.distributed.pipeline_parallel import check_pipeline, split_model, user_stages  # noqa: E402
 from meshtron.distributed.reduce import clip_grad_norm_  # noqa: E402
-from meshtron.loss import cross_entropy_sum  # noqa: E402
-from meshtron.optim import build_optimizer  # noqa: E402
-from meshtron.step import forward_backward  # noqa: E402
-from meshtron.trainer import init_process_group  # noqa: E402
+from meshtron.train.loss import cross_entropy_sum  # noqa: E402
+from meshtron.train.optim import build_optimizer  # noqa: E402
+from meshtron.train.step import forward_backward  # noqa: E402
+from meshtron.train.trainer import init_process_group  # noqa: E402
 
 PLAN = {  # module-name globs -> the string styles of meshtron.parallelize_module
     "model.embed_tokens": "vocab_parallel",

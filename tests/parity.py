@@ -14,14 +14,14 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor import DTensor
 
-from meshtron.checkpoint import fqn as clean_name
 from meshtron.distributed.data_parallel import autocast_dtype
 from meshtron.distributed.mesh import batch_slice, degree
 from meshtron.distributed.pipeline_parallel import Pipeline
 from meshtron.distributed.reduce import clip_grad_norm_
 from meshtron.models.common.moe import end_step, moe_blocks
-from meshtron.optim import build_optimizer
-from meshtron.step import forward_backward
+from meshtron.train.checkpoint import fqn as clean_name
+from meshtron.train.optim import build_optimizer
+from meshtron.train.step import forward_backward
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -248,7 +248,7 @@ def layout(pcfg, spec=None):
 def pipelined(pcfg, spec, cfg, microbatches: int = 2, schedule: str = "1f1b"):
     """run_parity's `parallelize` for pp=2: the model's split, each stage under pcfg."""
     from meshtron.distributed.pipeline_parallel import split_model
-    from meshtron.loss import cross_entropy_sum
+    from meshtron.train.loss import cross_entropy_sum
 
     def apply(model, mesh):
         pipe = split_model(model, mesh, schedule, 1, microbatches, spec.pipeline_split(cfg, 2))

@@ -6,9 +6,9 @@ import sys
 import pytest
 import torch
 
-from meshtron import checkpoint, hf
 from meshtron.models import GPT, gpt_config
 from meshtron.models.gpt import hf as gpt2
+from meshtron.train import checkpoint, hf
 
 from harness import RankError
 from harness import train as _train
@@ -68,7 +68,7 @@ def test_killed_save_leaves_previous_checkpoint_loadable(pools, tmp_path):
 
 
 def _die_during_save(rank, world, argv):
-    import meshtron.checkpoint as ck
+    import meshtron.train.checkpoint as ck
     real = ck.dcp.save
 
     def dying_save(sd, checkpoint_id):
@@ -245,7 +245,7 @@ def test_an_empty_checkpoint_record_is_a_clear_error(tmp_path):
 
 
 def _one_stage_misses_a_tensor(rank, world, argv):
-    import meshtron.checkpoint as ck
+    import meshtron.train.checkpoint as ck
     real = ck._check_shapes
 
     def check(path, sd, stored):

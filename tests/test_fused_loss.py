@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from meshtron.distributed.fused_loss import fused_linear_cross_entropy_sum
-from meshtron.loss import IGNORE_INDEX, FusedLoss, cross_entropy_sum, forward_kwargs, output_head
 from meshtron.models import GPT, gpt_config
 from meshtron.models.llama.model import PRESETS as LLAMA
 from meshtron.models.llama.model import Llama
-from meshtron.step import forward_backward
+from meshtron.train.loss import IGNORE_INDEX, FusedLoss, cross_entropy_sum, forward_kwargs, output_head
+from meshtron.train.step import forward_backward
 
 TOL = 1e-6
 
@@ -131,7 +131,7 @@ def test_one_process_bf16_under_autocast_keeps_an_fp32_head():
     """One process in bf16 runs under autocast with fp32 weights: the fused loss
     computes in the hidden states' bf16, as autocast's F.linear does, and trains
     as the plain loss does (to bf16 rounding)."""
-    from meshtron.trainer import main
+    from meshtron.train.trainer import main
     argv = ["--model", "llama-tiny", "--steps", "3", "--dtype", "bf16", "--log-interval", "1"]
     plain, fused = main(argv + ["--no-fused-loss"]), main(argv + ["--fused-loss"])
     assert len(fused) == 3 and all(abs(a - b) <= 2e-2 * abs(a) for a, b in zip(plain, fused)), (plain, fused)

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from meshtron import hf, models
+from meshtron import models
+from meshtron.train import hf
 
 from harness import train
 

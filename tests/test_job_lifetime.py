@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from meshtron import checkpoint
-from meshtron.lifetime import DirectoryLock, DirectoryLocked
+from meshtron.train import checkpoint
+from meshtron.train.lifetime import DirectoryLock, DirectoryLocked
 
 from harness import train
 

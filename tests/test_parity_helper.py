@@ -2,9 +2,9 @@
 import pytest
 
 from meshtron import ParallelConfig
-from meshtron.loss import cross_entropy_sum
 from meshtron.models import GPT, gpt_config
 from meshtron.models.gpt import parallelize_gpt
+from meshtron.train.loss import cross_entropy_sum
 
 from harness import mesh
 from parity import assert_parity, run_parity, tiny_batches

@@ -12,9 +12,10 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from meshtron import models, plan
+from meshtron import models
 from meshtron.config import ParallelConfig
 from meshtron.distributed.mesh import resolve_degrees
+from meshtron.planner import plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--seq-len", "16", "--steps", "1", "--log-interval", "1", "--max-norm", "1.0"]
@@ -28,7 +29,7 @@ def _measured_and_predicted(rank, world, argv):
     from meshtron.config import Config
     from meshtron.distributed.collectives import CollectiveCounter
     from meshtron.models import PRESETS
-    from meshtron.trainer import Trainer
+    from meshtron.train.trainer import Trainer
     trainer = Trainer(Config.from_args(argv, models=PRESETS), verbose=False)
     params = list({id(p): p for part in trainer.parts for p in part.parameters()}.values())
     grads = []   # what the optimizer steps on (the trainer frees gradients after the step)
@@ -95,7 +96,7 @@ DRY_ONLY = {
 
 _DRY_RUN = """
 import json, sys
-from meshtron import dry_run
+from meshtron.planner import dry_run
 from meshtron.config import Config
 from meshtron.models import PRESETS
 out = []
@@ -110,7 +111,7 @@ print(json.dumps(out))
 @pytest.fixture(scope="module")
 def dry_runs():
     """(world, argv) -> per rank [state bytes, collectives] from one process that
-    plays every rank of every layout below (meshtron.dry_run), started at once and
+    plays every rank of every layout below (meshtron.planner.dry_run), started at once and
     running beside the real runs."""
     layouts = [(w, a + ARGS) for table in (LAYOUTS, DRY_ONLY) for w, group in table.items() for a in group]
     proc = subprocess.Popen([sys.executable, "-c", _DRY_RUN, json.dumps(layouts)], cwd=ROOT, text=True,
@@ -151,7 +152,7 @@ def test_each_ranks_state_and_collectives_equal_the_planner_and_the_dry_run(pool
                          ids=lambda v: " ".join(v).replace("--", "") if isinstance(v, list) else str(v))
 def test_the_planners_collectives_equal_the_dry_runs_count(dry_runs, world, argv):
     from meshtron.config import Config
-    from meshtron.layout import resolve_layout
+    from meshtron.train.layout import resolve_layout
     config = Config.from_args(argv + ARGS, models=models.PRESETS)
     spec, cfg, degrees, microbatches, _ = resolve_layout(config, world)
     par, tr = dataclasses.replace(config.parallel, **degrees), config.training
@@ -209,7 +210,7 @@ def test_the_dry_run_refuses_a_bad_layout_before_building_anything():
 
 
 def test_the_alpha_beta_fit_recovers_a_known_link():
-    from meshtron.calibrate import fit_alpha_beta
+    from meshtron.planner.calibrate import fit_alpha_beta
     n, alpha, bw = 4, 20e-6, 300e9
     samples = [(kind, b, alpha * (n - 1) + f * b / bw) for b in (2 ** 16, 2 ** 20, 2 ** 24, 2 ** 28)
                for kind, f in (("all_gather", (n - 1) / n), ("all_reduce", 2 * (n - 1) / n))]
@@ -218,7 +219,7 @@ def test_the_alpha_beta_fit_recovers_a_known_link():
 
 
 def _link(rank, world):
-    from meshtron.calibrate import fit_alpha_beta, link_samples
+    from meshtron.planner.calibrate import fit_alpha_beta, link_samples
     samples = link_samples(torch.device("cpu"), [2 ** 14, 2 ** 20, 2 ** 23], repeats=3)
     return samples, fit_alpha_beta(samples, world)
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from meshtron.distributed.reduce import clip_grad_norm_, reduce_partial_grads
-from meshtron.optim import build_optimizer, warmup_cosine
+from meshtron.train.optim import build_optimizer, warmup_cosine
 
 from harness import mesh
 from harness import train as _train
@@ -71,7 +71,7 @@ def _local_adamw(rank, world, layout):
 
     from meshtron import ParallelConfig
     from meshtron.models import GPT, gpt_config
-    from meshtron.step import forward_backward
+    from meshtron.train.step import forward_backward
 
     from parity import fb_kwargs, tiny_batches
     from parity import layout as apply_layout

@@ -10,7 +10,7 @@ collectives), the pipeline's sends and receives and the MoE all-to-alls. Bytes
 are those of this rank's input: the shard an all-gather sends, the whole tensor
 a reduce-scatter or all-reduce reduces, what an all-to-all or send sends, what a
 receive receives. Groups are named by the mesh axes they span. The dry run
-(meshtron.dry_run) counts one step this way on a fake process group and fake
+(meshtron.planner.dry_run) counts one step this way on a fake process group and fake
 tensors, where nothing moves and nothing is computed.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 (shared by the model's MoE block and expert parallelism's dispatch).
 
 `torch.bincount` sizes its output from the largest id, so on a GPU it waits for
-the device, and fake tensors (the dry run: meshtron.dry_run) cannot run it at
+the device, and fake tensors (the dry run: meshtron.planner.dry_run) cannot run it at
 all; an index_add into `n` zeros counts the same without either. Fake tensors
 hold no counts to copy to the host: there `host_counts` assumes the tokens
 spread evenly, which is what the dry run reports."""

@@ -145,7 +145,7 @@ def matches(pattern: str, name: str) -> bool:
 
 def split_dims(name: str, mod: nn.Module, style) -> dict[str, int]:
     """{parameter name: the dim `style` splits over tp} of one module; {} for a
-    style that splits nothing (the planner reads this too: meshtron.plan)."""
+    style that splits nothing (the planner reads this too: meshtron.planner.plan)."""
     col = isinstance(style, ColwiseParallel)
     if not col and not isinstance(style, RowwiseParallel):
         return {}

@@ -15,7 +15,7 @@ PRESETS: dict[str, ModelSpec] = {preset: spec for spec in MODELS.values() for pr
 
 def from_hf(path: str):
     """(spec, model config) of a Hugging Face model directory, by its config.json's model_type."""
-    from meshtron.hf import read_hf_config
+    from meshtron.train.hf import read_hf_config
     d = read_hf_config(path)
     for spec in MODELS.values():
         if spec.hf is not None and spec.hf.MODEL_TYPE == d.get("model_type"):

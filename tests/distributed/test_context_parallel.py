@@ -10,11 +10,11 @@ import torch.distributed as dist
 
 from meshtron import ParallelConfig
 from meshtron.distributed import context_parallel as cpm
-from meshtron.loss import IGNORE_INDEX
 from meshtron.models import GPT, gpt_config
 from meshtron.models.gpt import SPEC as GPT_SPEC
 from meshtron.models.llama import SPEC as LLAMA_SPEC
 from meshtron.models.llama import Llama, LlamaConfig
+from meshtron.train.loss import IGNORE_INDEX
 
 from harness import mesh, train
 from parity import assert_parity, fb_kwargs, layout, pipelined, run_parity, tiny_batches

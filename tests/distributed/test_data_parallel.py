@@ -13,8 +13,8 @@ from meshtron import ParallelConfig
 from meshtron.distributed.mesh import batch_slice
 from meshtron.distributed.reduce import clip_grad_norm_, grad_norm
 from meshtron.models import GPT, gpt_config
-from meshtron.optim import build_optimizer
-from meshtron.step import forward_backward
+from meshtron.train.optim import build_optimizer
+from meshtron.train.step import forward_backward
 
 from harness import mesh
 from parity import assert_parity, fb_kwargs, layout, run_parity, tiny_batches

@@ -178,8 +178,8 @@ def test_resume_at_another_ep_degree(pools, tmp_path):
 def test_export_at_ep2_equals_dp2_and_reads_back(pools, tmp_path):
     from safetensors.torch import load_file
 
-    from meshtron.hf import import_safetensors
     from meshtron.models import get
+    from meshtron.train.hf import import_safetensors
     for name, world, argv in (("ep2", 2, ["--ep", "2"]), ("dp2", 2, ["--dp", "2", "--zero", "3"]),
                               ("one", 1, ["--micro-batch", "4"])):   # one micro-batch step, as above
         pools.run(world, train, RECIPE + argv + ["--export-hf", str(tmp_path / name)])

@@ -13,12 +13,12 @@ from safetensors.torch import load_file
 
 from meshtron import ParallelConfig, parallelize
 from meshtron.distributed import float8
-from meshtron.loss import cross_entropy_sum
 from meshtron.models import GPT, gpt_config
 from meshtron.models.common.moe import MoEConfig
 from meshtron.models.llama import SPEC as LLAMA_SPEC
 from meshtron.models.llama import Llama, LlamaConfig
 from meshtron.models.llama.parallelize import FP8_SKIP
+from meshtron.train.loss import cross_entropy_sum
 
 from harness import mesh
 from parity import assert_parity, fb_kwargs, layout, pipelined, run_parity, tiny_batches

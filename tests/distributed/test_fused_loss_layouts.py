@@ -1,6 +1,6 @@
 """The fused head + cross-entropy under parallel layouts against one plain process:
 the reference runs F.cross_entropy on whole logits (the unfused path), the layout
-runs meshtron.loss.FusedLoss (the model returns hidden states, the loss does the
+runs meshtron.train.loss.FusedLoss (the model returns hidden states, the loss does the
 head's matmul chunk by chunk, with chunks that do not divide the tokens). Same
 loss, gathered gradients and updated weights over three AdamW steps, with ignored
 labels spread over the batch: loss parallel at tp2 (the head split over the
@@ -14,8 +14,8 @@ import pytest
 
 from meshtron import ParallelConfig
 from meshtron.distributed.pipeline_parallel import split_model
-from meshtron.loss import IGNORE_INDEX, FusedLoss, output_head
 from meshtron.models import GPT, gpt, gpt_config
+from meshtron.train.loss import IGNORE_INDEX, FusedLoss, output_head
 
 from harness import mesh, train
 from parity import assert_parity, run_parity, tiny_batches

@@ -5,8 +5,8 @@ own case in test_context_parallel)."""
 import pytest
 
 from meshtron import ParallelConfig
-from meshtron.loss import IGNORE_INDEX
 from meshtron.models import GPT, gpt, gpt_config
+from meshtron.train.loss import IGNORE_INDEX
 
 from harness import mesh
 from parity import assert_parity, fb_kwargs, layout, pipelined, run_parity, tiny_batches

@@ -4,10 +4,10 @@ import torch
 from meshtron import ParallelConfig
 from meshtron.config import Config, ConfigError
 from meshtron.distributed.pipeline_parallel import bubble_fraction, check_pipeline, split_layers, split_model
-from meshtron.loss import cross_entropy_sum
 from meshtron.models import GPT, gpt_config
 from meshtron.models.gpt import SPEC
-from meshtron.step import forward_backward
+from meshtron.train.loss import cross_entropy_sum
+from meshtron.train.step import forward_backward
 
 from harness import mesh
 from parity import assert_parity, fb_kwargs, run_parity, tiny_batches
@@ -131,7 +131,7 @@ def test_bubble_formulas():
 
 
 def _activation_peak(rank, world, schedule, m):
-    from meshtron.metrics import SavedActivations
+    from meshtron.train.metrics import SavedActivations
     me = mesh(dp=1, pp=world)
     pipe = pipeline(GPT(CFG, seed=0), me, schedule, 1, m, ParallelConfig())
     (x, y), = tiny_batches(CFG.vocab_size, 1, 2 * m, 32)

@@ -11,8 +11,8 @@ from torch.utils._pytree import tree_leaves
 
 from meshtron import ParallelConfig
 from meshtron.distributed.recompute import MODES, apply_recompute
-from meshtron.loss import cross_entropy_sum
 from meshtron.models import GPT, gpt_config
+from meshtron.train.loss import cross_entropy_sum
 
 from harness import mesh
 from parity import assert_parity, fb_kwargs, layout, run_parity, tiny_batches

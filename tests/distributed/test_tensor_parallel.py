@@ -8,7 +8,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from meshtron import ParallelConfig, parallelize_module
 from meshtron.models import GPT, gpt_config
-from meshtron.step import forward_backward
+from meshtron.train.step import forward_backward
 
 from harness import mesh
 from parity import assert_parity, fb_kwargs, layout, run_parity, tiny_batches
@@ -253,7 +253,7 @@ def test_sp_all_gathers_move_the_compute_dtype(pools):
 def _vocab_parallel_ce(rank, world):
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from meshtron.loss import IGNORE_INDEX, cross_entropy_sum
+    from meshtron.train.loss import IGNORE_INDEX, cross_entropy_sum
     m = mesh(tp=world)["tp"]
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 7, 12 * world, generator=g, dtype=torch.float64) * 4

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from meshtron import ParallelConfig, parallelize
 from meshtron.distributed.pipeline_parallel import split_model, user_stages
-from meshtron.loss import cross_entropy_sum
+from meshtron.train.loss import cross_entropy_sum
 
 from harness import mesh
 from parity import assert_parity, fb_kwargs, run_parity, tiny_batches

@@ -4,12 +4,13 @@ suite: every layout against one process, fp32, over 3 steps."""
 import pytest
 import torch
 
-from meshtron import ParallelConfig, hf
+from meshtron import ParallelConfig
 from meshtron.distributed.pipeline_parallel import split_model
-from meshtron.loss import cross_entropy_sum
 from meshtron.models import get
 from meshtron.models.llama import SPEC, Llama, LlamaConfig
 from meshtron.models.llama import hf as adapter
+from meshtron.train import hf
+from meshtron.train.loss import cross_entropy_sum
 
 from harness import mesh
 from parity import assert_parity, fb_kwargs, layout, run_parity, tiny_batches
@@ -114,7 +115,7 @@ def test_llama_pipeline_parity(pools, degrees, schedule, v, m, pcfg):
 
 
 def _compiled_losses(rank, world):
-    from meshtron.step import forward_backward
+    from meshtron.train.step import forward_backward
     losses = []
     for compiled in (False, True):
         model = build()

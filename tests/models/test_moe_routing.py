@@ -88,7 +88,7 @@ def test_balanced_routing_is_round_robin_and_leaves_the_bias():
 def _train_loads(rank, world, argv):
     """Every step's load max/mean of every MoE layer of the recipe's Trainer, read
     before the step's end resets the counts."""
-    import meshtron.trainer as trainer_module
+    import meshtron.train.trainer as trainer_module
     from meshtron import Config, Trainer, models
     trainer = Trainer(Config.from_args(argv, models=models.PRESETS), verbose=False)
     blocks, loads, end = moe_blocks(trainer.parts), [], trainer_module.moe_end_step

@@ -221,7 +221,7 @@ class GPT(nn.Module):
                 return_hidden: bool = False) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, vocab), or with `return_hidden` the
         final (normed) hidden states, for a loss that runs the head itself
-        (meshtron.loss.FusedLoss). A pipeline stage that lost
+        (meshtron.train.loss.FusedLoss). A pipeline stage that lost
         its embedding takes hidden states (B, T, dim) instead (T may be a sequence-
         parallel slice, so positions default to 0..T-1 where the full T is known);
         one that lost its output returns hidden states. `cache` (a KVCache) keeps

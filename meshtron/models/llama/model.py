@@ -228,7 +228,7 @@ class Llama(nn.Module):
         embedding takes hidden states, one without the head returns them. `cache`
         (a KVCache) keeps keys and values for generation; `positions` are then
         the new tokens'. `return_hidden`: the final (normed) hidden states instead
-        of the logits, for a loss that runs the head itself (meshtron.loss.FusedLoss)."""
+        of the logits, for a loss that runs the head itself (meshtron.train.loss.FusedLoss)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for i, layer in self.layers.items():
             h = layer(h, positions, cache=cache.layer(int(i)) if cache is not None else None)

@@ -23,8 +23,8 @@ from meshtron.distributed.data_parallel import autocast_dtype, set_grad_sync
 from meshtron.distributed.mesh import degree
 from meshtron.distributed.pipeline_parallel import Pipeline
 from meshtron.distributed.reduce import clip_grad_norm_, sum_over
-from meshtron.loss import IGNORE_INDEX, cross_entropy_sum, forward_kwargs, logits_of, loss_function, output_head
 from meshtron.models.common.moe import end_step, moe_blocks
+from meshtron.train.loss import IGNORE_INDEX, cross_entropy_sum, forward_kwargs, logits_of, loss_function, output_head
 
 
 def _value(t: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ Layout on disk (one directory per saved step under a root):
     root/step-00000100/   .metadata, __<rank>_*.distcp  (DCP: each rank writes its shards)
                           meshtron.json                  (model config, layout, step, file sizes + CRCs)
     root/.tmp-step-...    a save in progress; never read
-    root/.lock            held by the run writing here (meshtron/lifetime.py)
+    root/.lock            held by the run writing here (meshtron/train/lifetime.py)
 
 State is keyed by parameter name (FQN), never by layout: model weights as the
 DTensors FSDP/TP hold, AdamW state likewise, so DCP reshards on load to any

@@ -1,6 +1,6 @@
 """The GPUs the planner knows: what its step-time model needs of a device and its
 links, read from calibration files that `python -m meshtron.plan calibrate`
-(meshtron.calibrate) writes. The shipped ones were measured on one GPU of each
+(meshtron.planner.calibrate) writes. The shipped ones were measured on one GPU of each
 kind (benchmarks/RESULTS.md, "Planner accuracy"); their "measured" key lists what was, the rest
 (links, for now) are nominal NVLink / InfiniBand figures."""
 from __future__ import annotations
@@ -73,7 +73,7 @@ def _interpolate(curve, x: float, default: float) -> float:
 
 
 def _read(path: str) -> Hardware:
-    with open(path) as f:   # a calibration file (meshtron.calibrate)
+    with open(path) as f:   # a calibration file (meshtron.planner.calibrate)
         data = json.load(f)
     fields = {f.name for f in dataclasses.fields(Hardware)}
     def value(v):

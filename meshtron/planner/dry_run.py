@@ -12,7 +12,7 @@ holds is read off its parameters (the local shard of each DTensor), so a wrong
 plan shows here as it would on the cluster, without one. Gradients have the
 shape and dtype of the parameters they belong to; AdamW adds two moments of
 that size and a 0-d fp32 step per parameter. Next to each rank the planner's
-prediction (meshtron.state) is printed.
+prediction (meshtron.planner.state) is printed.
 """
 from __future__ import annotations
 
@@ -24,14 +24,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from meshtron.comm_model import step_collectives
 from meshtron.distributed.collectives import CollectiveCounter
 from meshtron.distributed.mesh import init_mesh
 from meshtron.distributed.tied import materialize
-from meshtron.layout import build_model, pipeline_io, resolve_layout
-from meshtron.loss import forward_kwargs
-from meshtron.state import state_bytes
-from meshtron.step import gradients, layout_loss, moe_end_step
+from meshtron.planner.comm_model import step_collectives
+from meshtron.planner.state import state_bytes
+from meshtron.train.layout import build_model, pipeline_io, resolve_layout
+from meshtron.train.loss import forward_kwargs
+from meshtron.train.step import gradients, layout_loss, moe_end_step
 
 GiB = 2 ** 30
 
@@ -57,7 +57,7 @@ def _forked(fn, *args):
 def dry_run_rank(config, world: int, rank: int) -> tuple[dict[str, int], dict[tuple[str, str], int]]:
     """What `rank` of `world` holds under `config`, {params, grads, optim} bytes,
     and the {(kind, mesh axes): bytes} of the collectives it issues in one training
-    step (its gradients, their norm and the MoE statistics: meshtron.step), counted
+    step (its gradients, their norm and the MoE statistics: meshtron.train.step), counted
     while the step runs on fake tensors: shapes flow, nothing is computed or sent
     (FSDP's lazy initialization communicates nothing, and the pipeline's stages
     are given their shapes; a pipelined step is counted after one uncounted step,
@@ -138,7 +138,7 @@ def dry_run(config, world: int, ranks: list[int] | None = None, out=sys.stdout) 
               + ("equal" if s == predicted else f"differs: {predicted}"), file=out)
     moe = " (MoE all-to-alls as if the tokens spread evenly over the experts)" if getattr(mc, "moe", None) else ""
     print(f"collectives of one step, MiB each rank sends (an all-gather its shard, a reduce-scatter or all-reduce "
-          f"the whole tensor){moe}, against the planner's (meshtron.comm_model):", file=out)
+          f"the whole tensor){moe}, against the planner's (meshtron.planner.comm_model):", file=out)
     for rank, count in collectives:
         _, planned = step_collectives(spec, mc, par, tr.micro_batch, microbatches, tr.seq_len, rank, device="cpu")
         routed = [("all_to_all", "ep")]   # what a rank's all-to-alls send back depends on the routing

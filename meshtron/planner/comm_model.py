@@ -3,7 +3,7 @@ spec alone (no model is built, no tensor made): calls and bytes per (kind, mesh
 axes), keyed and counted as meshtron.distributed.collectives.CollectiveCounter
 counts them (an all-gather the shard this rank sends, a reduce-scatter or
 all-reduce the whole tensor, a send or receive what it moves). The planner's
-step time is built on these (meshtron.plan.predict); tests/test_plan.py holds
+step time is built on these (meshtron.planner.plan.predict); tests/test_plan.py holds
 them equal to what gloo counts for every layout it runs.
 
 Where each comes from, per micro-batch unless said:
@@ -55,7 +55,7 @@ from meshtron.distributed.mesh import AXES, SUBMESHES
 from meshtron.distributed.pipeline_parallel import stage_ids_of, stage_owner
 from meshtron.distributed.tensor_parallel import matches
 from meshtron.models.common.moe import Experts
-from meshtron.state import _meta_model, _param_table, coordinate
+from meshtron.planner.state import _meta_model, _param_table, coordinate
 
 Key = tuple[str, str]
 

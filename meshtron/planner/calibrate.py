@@ -40,8 +40,8 @@ import torch.distributed as dist
 
 from meshtron import models
 from meshtron.distributed.recompute import MODES, apply_recompute
-from meshtron.hardware import GPUS
-from meshtron.loss import logits_of
+from meshtron.planner.hardware import GPUS
+from meshtron.train.loss import logits_of
 
 # dense bf16 tensor-core peak by device name (datasheets, SXM parts)
 PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
@@ -54,7 +54,7 @@ def _peak(device: torch.device) -> tuple[str, float]:
     for key, peak in PEAKS.items():
         if key in name:
             return key.lower(), peak
-    raise ValueError(f"no datasheet bf16 peak for {name!r}: add it to meshtron.calibrate.PEAKS")
+    raise ValueError(f"no datasheet bf16 peak for {name!r}: add it to meshtron.planner.calibrate.PEAKS")
 
 
 def _time(fn, device: torch.device, repeats: int) -> float:

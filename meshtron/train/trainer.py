@@ -13,7 +13,7 @@ over the local batch (micro-batches in turn, or the pipeline schedule), clips by
 the global norm and steps the optimizer; logging, metrics and checkpoints
 around it.
 
-Loss and gradients: meshtron/step.py.
+Loss and gradients: meshtron/train/step.py.
 
 Test hooks (not on the command line): MESHTRON_EXIT_AFTER=N stops after N steps
 of this run (the schedule still spans --steps); MESHTRON_CRASH_AT_STEP=N kills
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from meshtron import checkpoint, hf, models
+from meshtron import models
 from meshtron.config import Config, ConfigError
 from meshtron.data import BatchLoader, open_data
 from meshtron.distributed.agree import agree
@@ -43,12 +43,13 @@ from meshtron.distributed.mesh import batch_slice, degree, init_mesh, world_size
 from meshtron.distributed.pipeline_parallel import Pipeline
 from meshtron.distributed.reduce import sum_over
 from meshtron.distributed.tied import materialize
-from meshtron.layout import build_model, pipeline_io, resolve_layout
-from meshtron.lifetime import DirectoryLock, describe, die_with_agent, under_torchrun
-from meshtron.loss import IGNORE_INDEX, forward_kwargs, logits_of
-from meshtron.metrics import RunLog, Throughput, peak_memory_gib
-from meshtron.optim import build_optimizer, warmup_cosine
-from meshtron.step import _value, gradients, layout_loss, moe_end_step
+from meshtron.train import checkpoint, hf
+from meshtron.train.layout import build_model, pipeline_io, resolve_layout
+from meshtron.train.lifetime import DirectoryLock, describe, die_with_agent, under_torchrun
+from meshtron.train.loss import IGNORE_INDEX, forward_kwargs, logits_of
+from meshtron.train.metrics import RunLog, Throughput, peak_memory_gib
+from meshtron.train.optim import build_optimizer, warmup_cosine
+from meshtron.train.step import _value, gradients, layout_loss, moe_end_step
 
 
 def init_process_group(timeout_s: float) -> None:
@@ -322,7 +323,7 @@ def main(argv=None, *, description: str | None = None, exit_after: int | None = 
     """Parse, build, train; returns the losses. Used by recipes/train.py and tests."""
     config, args = Config.parse(argv, description, models.PRESETS)
     if args.dry_run is not None:
-        from meshtron.dry_run import dry_run  # the planner and the fake process group, only when asked
+        from meshtron.planner.dry_run import dry_run  # the planner and the fake process group, only when asked
         ranks = None if args.dry_run_ranks is None else [int(r) for r in args.dry_run_ranks.split(",")]
         dry_run(config, args.dry_run, ranks)
         return []

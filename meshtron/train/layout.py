@@ -1,7 +1,7 @@
 """What a config makes on `world` ranks, before anything runs: the model and
 its preset resolved, the layout checked against the model, the batch split into
 micro-batches, and this rank's part of the model built on the meta device and
-parallelized. Shared by the trainer and the dry run (meshtron.dry_run)."""
+parallelized. Shared by the trainer and the dry run (meshtron.planner.dry_run)."""
 from __future__ import annotations
 
 import dataclasses

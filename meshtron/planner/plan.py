@@ -1,0 +1,321 @@
+"""The cost model and layout planner: per-rank memory and step time of a layout,
+and every valid layout for a number of GPUs, ranked.
+
+    python -m meshtron.plan --model llama-8B --seq-len 8192 --global-batch 64 --gpus 64 --gpus-per-node 8
+    python -m meshtron.plan calibrate --out h200.json      # then --gpu h200.json (meshtron.planner.calibrate)
+
+It reads the trainer's own pieces: the config tree (a layout is a
+ParallelConfig and a micro-batch), the model spec (its TP plan, pipeline split,
+layout checks, FLOPs), `split_dims`, `stage_ids_of` and the sub-meshes FSDP
+shards over. So a new model or axis is planned without new planner code.
+
+Parameter, gradient and optimizer bytes per rank are exact (meshtron.planner.state).
+
+Activations follow Korthikanti et al. (2022) with flash attention (no score
+matrix): s*b*h*(10 + 24/t) bytes per layer and micro-batch, 34*s*b*h/t with
+sequence parallelism, s/cp tokens under cp; full recompute keeps the layer
+input, selective keeps the matmul outputs. A pipeline's first stage holds
+min(pp, micro-batches) of them in flight under 1F1B (all under GPipe).
+
+Step time: the model's FLOPs at a matmul efficiency (calibrated per GPU),
+each collective of the step (meshtron.planner.comm_model: calls and bytes per kind and
+mesh axes, equal to what a real step issues) by the alpha-beta model on the
+link its group crosses (all-reduce 2(n-1)/n of the bytes, all-gather and
+reduce-scatter (n-1)/n, all-to-all (n-1)/n, p2p 1): TP and EP traffic exposed,
+CP's ring behind attention, FSDP's overlapped with compute except one unit's
+worth, the pipeline's bubble by its schedule's formula.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import itertools
+import math
+import sys
+import time
+from dataclasses import dataclass
+
+from meshtron import models
+from meshtron.config import ParallelConfig
+from meshtron.distributed.fused_loss import default_chunk
+from meshtron.distributed.mesh import AXES
+from meshtron.distributed.pipeline_parallel import bubble_fraction, check_pipeline
+from meshtron.planner.comm_model import group_size, step_collectives
+from meshtron.planner.hardware import GPUS, Hardware, hardware
+from meshtron.planner.state import coordinate, fullest_state, state_bytes
+
+GiB = 2 ** 30
+
+
+# ---- activations and step time --------------------------------------------------------
+
+@dataclass(frozen=True)
+class Prediction:
+    par: ParallelConfig
+    micro_batch: int
+    microbatches: int
+    memory: float            # bytes on the fullest rank
+    state: float             # of which parameters, gradients, optimizer state
+    activations: float
+    step_s: float
+    mfu: float
+    exposed_comm_s: float
+
+    def flags(self) -> str:
+        p, d = self.par, self.par.degrees()
+        out = [f"--{a} {d[a]}" for a in AXES if d[a] > 1 or a == "dp"]
+        out += ["--sp"] * p.sp + [f"--zero {p.zero}", f"--micro-batch {self.micro_batch}"]
+        if d["pp"] > 1:
+            out += [f"--pp-schedule {p.pp_schedule}"] + [f"--pp-virtual {p.pp_virtual}"] * (p.pp_virtual > 1)
+        if p.recompute != "none":
+            out.append(f"--recompute {p.recompute}")
+        if p.hsdp > 1:
+            out.append(f"--hsdp {p.hsdp}")
+        return " ".join(out)
+
+
+def _link(axis: str, degrees: dict[str, int], gpus_per_node: int, hw: Hardware) -> tuple[float, float]:
+    """The (alpha, bandwidth) of the link an axis' groups cross: the inner axes' ranks
+    are adjacent, so a group spans stride * size consecutive ranks."""
+    inner = AXES[AXES.index(axis) + 1:]
+    span = math.prod(degrees[a] for a in inner) * degrees[axis]
+    return hw.intra if span <= gpus_per_node else hw.inter
+
+
+def collective_s(kind: str, nbytes: float, n: int, link: tuple[float, float]) -> float:
+    """alpha-beta time of one collective over n ranks moving `nbytes` (the full tensor)."""
+    if n <= 1:
+        return 0.0
+    alpha, bw = link
+    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
+              "all_to_all": (n - 1) / n, "p2p": 1.0}[kind]
+    return alpha * (n - 1 if kind != "p2p" else 1) + nbytes * factor / bw
+
+
+def _pp_ranks(d: dict[str, int]) -> set[int]:
+    """A rank of the first pipeline stage (the embedding), of the last (the head, the
+    loss) and of one between (activations both ways; the ranks between are alike)."""
+    stride = math.prod(d[a] for a in AXES[AXES.index("pp") + 1:])
+    return {0, min(1, d["pp"] - 1) * stride, (d["pp"] - 1) * stride}
+
+
+@functools.cache
+def _group(label: str, degrees: tuple[int, ...], hsdp: int, gpus_per_node: int, hw: Hardware):
+    """(ranks, (alpha, bandwidth)) of a CollectiveCounter group: the link of its
+    outermost axis (an HSDP replica group spans dp, its shard group the inner axes)."""
+    d = dict(zip(AXES, degrees))
+    axes = [a for a in AXES if a in label.split("+")] or (["dp"] if label == "dp_replicate" else
+                                                          [a for a in ("ep", "cp", "dp") if d[a] > 1][:1])
+    return group_size(d, label, hsdp), _link(axes[0], d, gpus_per_node, hw)
+
+
+def comm_s(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: int, seq_len: int, hw: Hardware,
+           gpus_per_node: int, rank: int = 0) -> tuple[float, float, float, float, float]:
+    """Seconds `rank` spends in one step's collectives (comm_model.step_collectives,
+    each by the alpha-beta model on its group's link): (tp, ep all-to-all, cp ring,
+    pp, the data-parallel rest)."""
+    calls, nbytes = step_collectives(spec, cfg, par, micro_batch, microbatches, seq_len, rank, by_part=True)
+    degrees = tuple(par.degrees().values())
+    out = dict.fromkeys(("tp", "ep", "cp", "pp", "dp"), 0.0)
+    for (part, kind, label), n_calls in calls.items():
+        if kind == "recv":   # the mirror of a send: the link carries both at once
+            continue
+        n, link = _group(label, degrees, par.hsdp, gpus_per_node, hw)
+        full = nbytes[(part, kind, label)] * (n if kind == "all_gather" else 1)    # the whole tensor
+        out[part] += n_calls * collective_s("p2p" if kind == "send" else kind, full / n_calls,
+                                            2 if kind == "send" else n, link)
+    return out["tp"], out["ep"], out["cp"], out["pp"], out["dp"]
+
+
+def _layer_elements(cfg, t: int, sp: bool) -> float:
+    """Elements per token one layer saves for backward on a tp rank, with flash
+    attention and no dropout. The inputs of the two norms (split over tp by SP) and
+    of the two column-parallel matmuls: those stay whole, since autograd keeps the
+    gathered input of each (Megatron keeps the shard and gathers it again in
+    backward); Q, K, V (K and V at the kv heads' width), the output projection's
+    input and the MLP's: the activation's input and output (GeLU), or gate, up and
+    their product (SwiGLU), split over tp; a mixture of experts runs top_k experts
+    (and its shared ones) per token."""
+    h = cfg.dim
+    kv = getattr(cfg, "n_kv_heads", cfg.n_heads) * (h // cfg.n_heads)
+    moe = getattr(cfg, "moe", None)
+    swiglu = moe.activation == "swiglu" if moe else hasattr(cfg, "ffn_dim")
+    width = (moe.top_k + moe.n_shared) * moe.hidden if moe else (cfg.ffn_dim if swiglu else cfg.ffn_mult * h)
+    split = 2 * h + 2 * kv + (3 if swiglu else 2) * width
+    return 2 * h / (t if sp else 1) + 2 * h + split / t
+
+
+def activation_bytes(cfg, par: ParallelConfig, micro_batch: int, seq_len: int, layers: int) -> float:
+    """One micro-batch's saved activations over `layers` layers on one rank (bf16),
+    and the fp32 log-probabilities cross-entropy keeps for its backward (with
+    --fused-loss: one chunk of them, and the gradients the fused loss keeps)."""
+    d = par.degrees()
+    tokens, h, t = micro_batch * seq_len / d["cp"], cfg.dim, d["tp"]
+    full = 2 * tokens * _layer_elements(cfg, t, par.sp)
+    if par.recompute == "full":   # each layer's input, and one layer's activations while it is recomputed
+        held = 2 * tokens * h / (t if par.sp else 1) * layers + full
+    elif par.recompute == "selective":   # Korthikanti et al.: the matmul outputs stay, the rest is recomputed
+        held = tokens * h * (20 / t if par.sp else 2 + 18 / t) * layers
+    else:
+        held = full * layers
+    if par.fused_loss:   # one chunk's fp32 logits, and the gradients of the hidden states and the head it keeps
+        logits = 4 * min(tokens, default_chunk(cfg.vocab_size // t)) * cfg.vocab_size / t \
+            + 2 * (tokens * h + cfg.vocab_size / t * h)
+    else:
+        logits = 4 * tokens * cfg.vocab_size / t
+    return held + logits / max(1, d["pp"])
+
+
+def compute_s(cfg, par: ParallelConfig, tokens: int, seq_len: int, hw: Hardware, layers: int,
+              gemm_tokens: float | None = None) -> float:
+    """One rank's compute time for `tokens` tokens of its data-parallel share: the
+    matmuls at the calibrated matmul efficiency for GEMMs of `gemm_tokens` rows (a
+    micro-batch's cp-local tokens; SP gathers the whole of them), causal attention
+    (half of the 12*L*d*T that flops_per_token counts) at the calibrated attention
+    efficiency for its head dim and (cp-local) sequence, and the memory-bound rest
+    at the HBM bandwidth: each saved activation written in forward, read in
+    backward, its gradient written once (3x the saved bytes), and AdamW's pass over
+    this rank's fp32 state (28 bytes per parameter)."""
+    d = par.degrees()
+    shard = d["cp"] * d["tp"] * d["pp"]
+    attention = 12 * cfg.n_layers * cfg.dim * seq_len * tokens / shard
+    matmul = cfg.flops_per_token(seq_len) * tokens / shard - attention
+    if par.recompute == "full":
+        matmul, attention = matmul * 4 / 3, attention * 4 / 3
+    elementwise = 3 * 2 * tokens / d["cp"] * _layer_elements(cfg, d["tp"], par.sp) * layers
+    optimizer = 28 * cfg.num_params() / math.prod(d.values())
+    efficiency = hw.matmul_at(tokens / d["cp"] if gemm_tokens is None else gemm_tokens)
+    attention_eff = hw.attention_at(cfg.dim // cfg.n_heads, seq_len / d["cp"])   # cp: blocks of S/cp keys
+    return (matmul / (hw.peak_flops * efficiency) + attention / 2 / (hw.peak_flops * attention_eff)
+            + (elementwise + optimizer) / hw.hbm_bandwidth)
+
+
+def predict(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: int, seq_len: int, hw: Hardware,
+            gpus_per_node: int, memo: dict | None = None) -> Prediction:
+    """Memory and step time of one layout; `memo` shares the state bytes between
+    layouts that differ only in micro-batching or recompute."""
+    d = par.degrees()
+    n = math.prod(d.values())
+    key = tuple(getattr(par, f.name) for f in dataclasses.fields(par) if f.name not in ("recompute", "microbatches"))
+    memo = {} if memo is None else memo
+    if key not in memo:   # micro-batching and recompute leave the state as it is
+        memo[key] = fullest_state(spec, cfg, par)
+    state = memo[key]
+    layers = math.ceil(cfg.n_layers / d["pp"])
+    in_flight = microbatches if par.pp_schedule == "gpipe" and d["pp"] > 1 else min(d["pp"], microbatches)
+    acts = activation_bytes(cfg, par, micro_batch, seq_len, layers) * in_flight
+    params_stage = cfg.num_params() / d["pp"] / d["tp"]
+    gathered = 2 * params_stage * (1 if par.zero in (0, 1, 2) else 2 / max(1, layers))  # bf16 unsharded copies
+    memory = state + acts + gathered
+
+    tokens = micro_batch * microbatches * seq_len          # per data-parallel rank and step
+    compute = compute_s(cfg, par, tokens, seq_len, hw, layers, gemm_tokens=micro_batch * seq_len / d["cp"])
+    if not par.compile:   # each micro-batch takes the longer of its GPU work and its eager host time
+        host = microbatches * (hw.host_microbatch_s + layers * hw.host_layer(par.recompute))
+        compute = max(compute, host)
+    comm = max((comm_s(spec, cfg, par, micro_batch, microbatches, seq_len, hw, gpus_per_node, rank)
+                for rank in _pp_ranks(d)), key=sum)
+    tp_comm, ep_comm, cp_ring, pp_comm, fsdp = comm
+    fsdp_exposed = max(0.0, fsdp - compute) + fsdp / max(1, layers)
+    cp_comm = cp_ring   # the all-gather and all-to-all variants wait for their collectives
+    if d["cp"] > 1 and par.cp_comm == "p2p":   # the ring's transfers run behind the attention of the block before
+        attention = 6 * micro_batch * seq_len ** 2 / d["cp"] * cfg.dim / d["tp"] / (   # causal, as compute_s
+            hw.peak_flops * hw.attention_at(cfg.dim // cfg.n_heads, seq_len / d["cp"]))
+        cp_comm = max(0.0, cp_ring - attention * layers * microbatches)
+    busy = compute + tp_comm + ep_comm + cp_comm
+    bubble = bubble_fraction(par.pp_schedule, d["pp"], microbatches, par.pp_virtual) if d["pp"] > 1 else 0.0
+    step = busy / (1 - bubble) + pp_comm + fsdp_exposed
+    model_flops = cfg.flops_per_token(seq_len) * tokens * d["dp"] * d["ep"]
+    return Prediction(par, micro_batch, microbatches, memory, state, acts, step,
+                      model_flops / (step * n * hw.peak_flops), tp_comm + ep_comm + cp_comm + pp_comm + fsdp_exposed)
+
+
+# ---- enumeration ------------------------------------------------------------------------
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def layouts(spec, cfg, gpus: int, seq_len: int, global_batch: int, gpus_per_node: int, dtype: str = "bf16"):
+    """Every (ParallelConfig, micro-batch, micro-batches) the trainer accepts for this job."""
+    moe = getattr(cfg, "moe", None)
+    for tp, pp, cp, ep in itertools.product(_divisors(gpus), repeat=4):
+        if gpus % (tp * pp * cp * ep) or tp > gpus_per_node or (ep > 1 and moe is None):
+            continue
+        dp = gpus // (tp * pp * cp * ep)
+        batch_ranks = dp * ep
+        if global_batch % batch_ranks:
+            continue
+        for zero, mb, recompute, (schedule, virtual) in itertools.product(
+                (0, 1, 2, 3), (1, 2, 4, 8), ("none", "selective", "full"),
+                [("1f1b", 1), ("interleaved-1f1b", 2)] if pp > 1 else [("1f1b", 1)]):
+            if global_batch % (batch_ranks * mb) or (dp * cp * ep == 1 and zero != 1):
+                continue   # with nothing to shard over, the trainer runs zero 1
+            if recompute == "selective" and moe is not None:
+                continue
+            m = global_batch // (batch_ranks * mb)
+            par = ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, sp=tp > 1, zero=zero, recompute=recompute,
+                                 pp_schedule=schedule, pp_virtual=virtual, dtype=dtype, microbatches=m)
+            try:
+                spec.check_layout(cfg, par.degrees(), par, seq_len)
+                if pp > 1:
+                    check_pipeline(schedule, pp, virtual, m, cfg.n_layers)
+            except ValueError:
+                continue
+            yield par, mb, m
+
+
+def plan(model: str, seq_len: int, global_batch: int, gpus: int, gpus_per_node: int = 8,
+         gpu: str = "h200") -> tuple[list[Prediction], list[Prediction]]:
+    """(layouts that fit, fastest first; those that do not, smallest first)."""
+    spec, cfg = models.get(model)
+    hw = hardware(gpu)
+    memo = {}
+    preds = [predict(spec, cfg, par, mb, m, seq_len, hw, gpus_per_node, memo)
+             for par, mb, m in layouts(spec, cfg, gpus, seq_len, global_batch, gpus_per_node)]
+    fit = sorted((p for p in preds if p.memory <= hw.memory_bytes), key=lambda p: (p.step_s, p.memory))
+    over = sorted((p for p in preds if p.memory > hw.memory_bytes), key=lambda p: p.memory)
+    return fit, over
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["calibrate"]:
+        from meshtron.planner.calibrate import main as calibrate
+        return calibrate(argv[1:])
+    p = argparse.ArgumentParser(prog="python -m meshtron.plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, choices=tuple(models.PRESETS))
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
+    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu", default="h200", help="h200, h100 or a calibration JSON file")
+    p.add_argument("--top", type=int, default=15)
+    a = p.parse_args(argv)
+    t0 = time.perf_counter()
+    fit, over = plan(a.model, a.seq_len, a.global_batch, a.gpus, a.gpus_per_node, a.gpu)
+    print(f"{a.model}, sequence {a.seq_len}, global batch {a.global_batch}, {a.gpus} x {a.gpu} "
+          f"({a.gpus_per_node} per node): {len(fit)} layouts fit, {len(over)} do not "
+          f"(planned in {time.perf_counter() - t0:.2f} s)")
+    print(f"{'#':>3} {'step ms':>8} {'MFU':>6} {'GiB':>7} {'state':>7} {'acts':>7}  command")
+    per_node = min(a.gpus, a.gpus_per_node)
+    launch = f"torchrun --nnodes {a.gpus // per_node} " * (a.gpus > per_node) + f"--nproc-per-node {per_node}"
+    launch = launch if a.gpus > per_node else f"torchrun {launch}"
+    for i, pr in enumerate(fit[:a.top], 1):
+        print(f"{i:>3} {pr.step_s * 1e3:8.1f} {pr.mfu:6.1%} {pr.memory / GiB:7.1f} {pr.state / GiB:7.1f} "
+              f"{pr.activations / GiB:7.1f}  {launch} recipes/train.py "
+              f"--model {a.model} --seq-len {a.seq_len} --global-batch {a.global_batch} --dtype bf16 {pr.flags()}")
+    if not fit and over:
+        best = over[0]
+        print(f"nothing fits in {hardware(a.gpu).memory_bytes / GiB:.0f} GiB; the smallest needs "
+              f"{best.memory / GiB:.1f} GiB ({best.flags()}): more GPUs, a smaller micro-batch or sequence")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
+
+
+__all__ = ["GPUS", "Hardware", "Prediction", "comm_s", "coordinate", "layouts", "plan", "predict",
+           "state_bytes", "step_collectives"]
