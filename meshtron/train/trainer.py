@@ -106,49 +106,74 @@ class Trainer:
     # ---- set-up ----------------------------------------------------------------------
 
     def _set_up(self, verbose: bool) -> None:
+        """The run's set-up, in order; each line one step of it."""
         c = self.config
-        par, tr = c.parallel, c.training
         with agree():   # nothing has communicated yet: every problem stops every rank here
             c.validate(world_size())
-            self.run_log = RunLog(self.rank, tr.metrics_file, tr.tensorboard, verbose)
+            self.run_log = RunLog(self.rank, c.training.metrics_file, c.training.tensorboard, verbose)
             self.lock = self._hold_checkpoint_dir()
-            self.spec, mc, degrees, self.microbatches, self.global_batch = resolve_layout(c, world_size())
-            self.model_config = mc
-            tokens = open_data(c.data.data, mc.vocab_size, c.data.tokenizer)
-            eval_tokens = open_data(c.data.eval_data, mc.vocab_size, c.data.tokenizer) if c.data.eval_data else None
+            self.spec, self.model_config, degrees, self.microbatches, self.global_batch = resolve_layout(
+                c, world_size())
+            data = self._open_data()
             self.resume_from = self._find_resume()
         self.mesh = init_mesh(**degrees)
         self.device = (torch.device("cuda", torch.cuda.current_device()) if self.mesh.device_type == "cuda"
                        else torch.device("cpu"))
-        torch.manual_seed(tr.seed)
+        torch.manual_seed(c.training.seed)
         with agree():
             self.parts, self.pipeline = self._build_model()
-            self.optimizer = build_optimizer(self.parts, tr.lr, weight_decay=tr.weight_decay)
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-                self.optimizer, warmup_cosine(tr.warmup, tr.steps, tr.min_lr_ratio))
-            index, count = batch_slice(self.mesh)
-            self.loader = BatchLoader(tokens, tr.seq_len, self.global_batch, index, count, tr.micro_batch,
-                                      seed=tr.seed, shuffle=c.data.shuffle)
-            self.eval_loader = None if eval_tokens is None else BatchLoader(
-                eval_tokens, tr.seq_len, self.global_batch, index, count, tr.micro_batch, seed=tr.seed)
-            weights = c.checkpoint.init_from_hf or c.checkpoint.import_safetensors
-            if weights:
-                hf.import_safetensors(self.parts, weights, mc, self.spec.hf)
-        self.loss_fn = layout_loss(self.mesh, par, self.device, self.parts)
+            self.optimizer, self.scheduler = self._build_optimizer()
+            self.loader, self.eval_loader = self._build_loaders(*data)
+            self._import_weights()
+        self.loss_fn = layout_loss(self.mesh, c.parallel, self.device, self.parts)
         self.moe_stats = None   # the last step's routing statistics (mixture-of-experts models)
         if self.pipeline is not None:
-            self.pipeline.build_schedule(self.loss_fn, pipeline_io(mc, c, self.mesh), forward_kwargs(self.loss_fn))
-        self.start = 0
-        if self.resume_from:
-            self.start = checkpoint.load(self.resume_from, self.parts, self.optimizer, self.scheduler, self.loader,
-                                         config=mc, rebatch_by_tokens=c.checkpoint.data_rebatch,
-                                         names=self._param_names())
-            self.log(f"resumed from {self.resume_from} at step {self.start}")
-            if c.checkpoint.checkpoint_dir and self.rank == 0:
-                for moved in checkpoint.set_aside_newer(c.checkpoint.checkpoint_dir, self.start):
-                    self.log(f"set aside a checkpoint newer than step {self.start}: {moved}")
-        if par.fp8 == "tensorwise":   # the first step's fp8 weight scales, from the weights it starts from
+            self.pipeline.build_schedule(self.loss_fn, pipeline_io(self.model_config, c, self.mesh),
+                                         forward_kwargs(self.loss_fn))
+        self.start = self._resume()
+        if c.parallel.fp8 == "tensorwise":   # the first step's fp8 weight scales, from the weights it starts from
             precompute_scales(self.parts)
+
+    def _open_data(self) -> tuple:
+        """The training tokens and the held-out ones (None without --eval-data)."""
+        d, vocab = self.config.data, self.model_config.vocab_size
+        return (open_data(d.data, vocab, d.tokenizer),
+                open_data(d.eval_data, vocab, d.tokenizer) if d.eval_data else None)
+
+    def _build_optimizer(self) -> tuple:
+        tr = self.config.training
+        optimizer = build_optimizer(self.parts, tr.lr, weight_decay=tr.weight_decay)
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(tr.warmup, tr.steps,
+                                                                                        tr.min_lr_ratio))
+
+    def _build_loaders(self, tokens, eval_tokens) -> tuple:
+        """This rank's slice of every global batch, for training and evaluation."""
+        tr, index, count = self.config.training, *batch_slice(self.mesh)
+        loader = BatchLoader(tokens, tr.seq_len, self.global_batch, index, count, tr.micro_batch, seed=tr.seed,
+                             shuffle=self.config.data.shuffle)
+        return loader, None if eval_tokens is None else BatchLoader(
+            eval_tokens, tr.seq_len, self.global_batch, index, count, tr.micro_batch, seed=tr.seed)
+
+    def _import_weights(self) -> None:
+        """--init-from-hf / --import-safetensors: weights from outside, over the initial ones."""
+        ck = self.config.checkpoint
+        weights = ck.init_from_hf or ck.import_safetensors
+        if weights:
+            hf.import_safetensors(self.parts, weights, self.model_config, self.spec.hf)
+
+    def _resume(self) -> int:
+        """The step this run starts from: the resumed checkpoint's, or 0."""
+        if not self.resume_from:
+            return 0
+        ck = self.config.checkpoint
+        start = checkpoint.load(self.resume_from, self.parts, self.optimizer, self.scheduler, self.loader,
+                                config=self.model_config, rebatch_by_tokens=ck.data_rebatch,
+                                names=self._param_names())
+        self.log(f"resumed from {self.resume_from} at step {start}")
+        if ck.checkpoint_dir and self.rank == 0:
+            for moved in checkpoint.set_aside_newer(ck.checkpoint_dir, start):
+                self.log(f"set aside a checkpoint newer than step {start}: {moved}")
+        return start
 
     def _hold_checkpoint_dir(self) -> DirectoryLock | None:
         """Rank 0 locks --checkpoint-dir (inside agree(): a live holder stops every
