@@ -238,6 +238,21 @@ def bubble(result: dict, par, microbatches: int, world: int, device) -> None:
     result["bubble_predicted"] = bubble_fraction(par.pp_schedule, par.pp, microbatches, par.pp_virtual)
 
 
+def build_with_options(config, opts: list[str]):
+    """The Trainer built under the layout's +options (module attributes patched for the
+    build, then restored); (trainer, the patches, whose undo hooks run after measuring)."""
+    patches = [p for o in opts for p in OPTIONS[o]()]
+    undo = [(m, n, getattr(m, n)) for m, n, _ in patches if m is not None]
+    for m, n, v in patches:
+        if m is not None:
+            setattr(m, n, v)
+    try:
+        return Trainer(config, verbose=False), patches
+    finally:
+        for m, n, v in undo:
+            setattr(m, n, v)
+
+
 def measure(name: str, recipe_flags: list[str], args) -> dict:
     world, flags = flags_of(name)
     # lr 1e-4 unless the flags say otherwise: at the recipe's 1e-3 the first steps of a
@@ -246,17 +261,8 @@ def measure(name: str, recipe_flags: list[str], args) -> dict:
     config = Config.from_args(["--dtype", "bf16", "--lr", "1e-4", "--steps", str(steps)] + recipe_flags + flags,
                               models=models.PRESETS)
     opts = split_options(name)[1]
-    patches = [p for o in opts for p in OPTIONS[o]()]
-    undo = [(m, n, getattr(m, n)) for m, n, _ in patches if m is not None]
-    for m, n, v in patches:
-        if m is not None:
-            setattr(m, n, v)
     t0 = time.perf_counter()
-    try:
-        trainer = Trainer(config, verbose=False)
-    finally:
-        for m, n, v in undo:
-            setattr(m, n, v)
+    trainer, patches = build_with_options(config, opts)
     build_s = time.perf_counter() - t0
     device = trainer.device
     if device.type == "cuda":
