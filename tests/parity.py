@@ -262,3 +262,17 @@ def pipelined(pcfg, spec, cfg, microbatches: int = 2, schedule: str = "1f1b"):
 def fb_kwargs(mesh, pcfg) -> dict:
     """What the trainer passes forward_backward for this layout."""
     return {"zero": pcfg.zero, "autocast": autocast_dtype(mesh, pcfg.dtype, pcfg.mixed_precision)}
+
+
+def perturbed_builder(factory):
+    """A builder of factory()'s model, seeded, its 1-D parameters (norms, biases) moved
+    off their initial values: a placement or mapping mistake then shows."""
+    def make():
+        torch.manual_seed(0)
+        model = factory()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.ndim == 1:
+                    p.add_(0.1 * torch.randn_like(p))
+        return model
+    return make

@@ -4,7 +4,6 @@ layers) and a plain nn.Module transformer, built from tiny configs, against one
 process: dp2 x tp2 with ZeRO-3 (one FSDP unit per block), fp32, 3 steps. Their
 pipelines: test_user_pipelines.py."""
 import pytest
-import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
@@ -13,7 +12,7 @@ from meshtron import ParallelConfig, parallelize
 from meshtron.distributed.parallelize import find_blocks
 
 from harness import mesh
-from parity import assert_parity, fb_kwargs, run_parity, tiny_batches
+from parity import assert_parity, fb_kwargs, perturbed_builder, run_parity, tiny_batches
 
 transformers = pytest.importorskip("transformers")
 VOCAB = 96
@@ -86,15 +85,7 @@ MODELS = {"llama": (llama, LLAMA_PLAN, "model.layers"), "qwen2": (qwen2, LLAMA_P
 
 
 def build(kind):
-    def make():
-        torch.manual_seed(0)
-        model = MODELS[kind][0]()
-        with torch.no_grad():   # non-trivial norms and biases, so a mapping mistake shows
-            for p in model.parameters():
-                if p.ndim == 1:
-                    p.add_(0.1 * torch.randn_like(p))
-        return model
-    return make
+    return perturbed_builder(MODELS[kind][0])
 
 
 def _fsdp_tp(rank, world, kind):

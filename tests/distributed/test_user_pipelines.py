@@ -17,7 +17,7 @@ from meshtron.distributed.pipeline_parallel import split_model, user_stages
 from meshtron.train.loss import cross_entropy_sum
 
 from harness import mesh
-from parity import assert_parity, fb_kwargs, run_parity, tiny_batches
+from parity import assert_parity, fb_kwargs, perturbed_builder, run_parity, tiny_batches
 
 transformers = pytest.importorskip("transformers")
 VOCAB, TOL = 96, 1e-5
@@ -117,15 +117,7 @@ MODELS = HF | PLAIN
 
 
 def build(kind):
-    def make():
-        torch.manual_seed(0)
-        model = MODELS[kind][0]()
-        with torch.no_grad():   # non-trivial norms and biases, so a placement mistake shows
-            for p in model.parameters():
-                if p.ndim == 1:
-                    p.add_(0.1 * torch.randn_like(p))
-        return model
-    return make
+    return perturbed_builder(MODELS[kind][0])
 
 
 LLAMA_PLAN = {"model.embed_tokens": "vocab_parallel", "model.layers.*.self_attn.q_proj": "colwise",
