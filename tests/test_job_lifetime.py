@@ -26,7 +26,7 @@ TINY = ["--model", "tiny", "--untie-embeddings", "--seq-len", "32", "--global-ba
 DP2 = ["--dp", "2", "--micro-batch", "4"]
 DEADLINE_S = 15
 # lifetime.py alone, without torch: `m` is the module
-LIFETIME_PY = os.path.join(ROOT, "meshtron", "lifetime.py")
+LIFETIME_PY = os.path.join(ROOT, "meshtron", "train", "lifetime.py")
 LOAD_LIFETIME = ("import importlib.util; "
                  f"s = importlib.util.spec_from_file_location('lifetime', {LIFETIME_PY!r}); "
                  "m = importlib.util.module_from_spec(s); s.loader.exec_module(m); ")
