@@ -251,6 +251,8 @@ PROGRAMS = {  # how a command line names a program -> how to ask it for its help
     "recipes/train.py": "trainer",
     "recipes/generate.py": "recipes/generate.py",
     "recipes/own_model.py": None,
+    "meshtron.plan calibrate": ("meshtron.plan", "calibrate"),
+    "meshtron.plan": ("meshtron.plan",),
     "meshtron.planner.plan calibrate": ("meshtron.planner.plan", "calibrate"),
     "meshtron.planner.plan": ("meshtron.planner.plan",),
     "meshtron.data.prepare": ("meshtron.data.prepare",),
@@ -262,10 +264,13 @@ PROGRAMS = {  # how a command line names a program -> how to ask it for its help
     "benchmarks/bench_moe.py": "benchmarks/bench_moe.py",
     "benchmarks/bench_kernels.py": "benchmarks/bench_kernels.py",
     "benchmarks/bench_async_tp.py": "benchmarks/bench_async_tp.py",
+    "benchmarks/bench_fused_loss.py": "benchmarks/bench_fused_loss.py",
+    "benchmarks/moe_balance.py": "benchmarks/moe_balance.py",
     "benchmarks/compare_grads.py": "docstring",    # no --help: its flags are in its docstring
     "torchrun": "torchrun",
 }
-PASSES_TO_TRAINER = ("benchmarks/bench_train.py", "benchmarks/bench_plan.py", "benchmarks/compare_grads.py")
+PASSES_TO_TRAINER = ("benchmarks/bench_train.py", "benchmarks/bench_plan.py", "benchmarks/compare_grads.py",
+                     "benchmarks/moe_balance.py")
 
 
 def help_text(program: str) -> str:
