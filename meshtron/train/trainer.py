@@ -359,7 +359,7 @@ def main(argv=None, *, description: str | None = None, exit_after: int | None = 
             exit_after = _env_int("MESHTRON_EXIT_AFTER")
         trainer = Trainer(config)
         try:
-            return trainer.train(exit_after=exit_after, crash_at_step=_env_int("MESHTRON_CRASH_AT_STEP"))
+            losses = trainer.train(exit_after=exit_after, crash_at_step=_env_int("MESHTRON_CRASH_AT_STEP"))
         finally:
             trainer.close()
     except BaseException as e:
@@ -367,6 +367,9 @@ def main(argv=None, *, description: str | None = None, exit_after: int | None = 
         if created and getattr(e, "all_ranks", False):
             dist.destroy_process_group()
         raise
+    if created:   # a caller (a test) may start another world in this process
+        dist.destroy_process_group()
+    return losses
 
 
 def run(argv=None, description: str | None = None) -> None:
