@@ -237,8 +237,8 @@ def _sp_autocast(rank, world):
                 # runs after the column-parallel style's own hook: sees what the all-gather moved
                 model.get_submodule(name).register_forward_pre_hook(
                     lambda mod, a, name=name: seen.setdefault(name, (a[0].dtype, tuple(a[0].shape))) and None)
-        kw = fb_kwargs(m, pcfg) if tp > 1 else {}
-        losses.append(float(forward_backward([model], x, y, m if tp > 1 else None, autocast=torch.bfloat16, **kw)))
+        kw = {**(fb_kwargs(m, pcfg) if tp > 1 else {}), "autocast": torch.bfloat16}
+        losses.append(float(forward_backward([model], x, y, m if tp > 1 else None, **kw)))
     return losses, seen
 
 
