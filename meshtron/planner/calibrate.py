@@ -223,8 +223,9 @@ def main(argv=None) -> None:
     p.add_argument("--out", required=True, help="the JSON file to write (rank 0)")
     p.add_argument("--quick", action="store_true", help="small sizes and few repeats (tests)")
     a = p.parse_args(argv)
-    if "RANK" in os.environ and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if "RANK" in os.environ:   # the trainer's rendezvous: under torchrun, or a world of one with no port
+        from meshtron.train.trainer import init_process_group
+        init_process_group(600)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
         else torch.device("cpu")
     if device.type == "cuda":
