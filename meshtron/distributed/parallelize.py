@@ -112,7 +112,8 @@ def apply_dp(model: nn.Module, mesh: DeviceMesh, config: LayoutOptions, blocks: 
     only the cast of the embeddings' outputs. `dp_mesh`: dp_mesh_of's, when built
     already; else this call builds it."""
     if autocast_dtype(mesh, config.dtype, config.mixed_precision) is not None:
-        cast_embeddings(model)
+        cast_embeddings(model)   # and no FSDP: _zero is None under autocast
+        return
     zero = _zero(mesh, config)
     if zero is not None:
         apply_fsdp(model, mesh, blocks, zero, config.hsdp, config.dtype, config.reduce_dtype, experts, dp_mesh)
