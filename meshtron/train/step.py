@@ -31,6 +31,17 @@ def _value(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float()
 
 
+def micro_batch_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn,
+                     autocast: torch.dtype | None = None) -> torch.Tensor:
+    """One micro-batch's summed token loss through the whole model (no pipeline):
+    its forward under `autocast`, the loss outside it, as the trainer's step and
+    evaluation both run it. Only the loss keeps what its backward needs of the
+    logits, so they go once that has run."""
+    with amp(x.device, autocast):
+        out = logits_of(model(x, **forward_kwargs(loss_fn)))
+    return loss_fn(out, y)
+
+
 def forward_backward(parts: list[nn.Module], x: torch.Tensor, y: torch.Tensor, mesh: DeviceMesh | None, *,
                      microbatches: int = 1, loss_fn=cross_entropy_sum,
                      zero: int = 1, pipeline: Pipeline | None = None,
@@ -56,10 +67,7 @@ def forward_backward(parts: list[nn.Module], x: torch.Tensor, y: torch.Tensor, m
         model, total = parts[0], torch.zeros((), device=device)
         for i, (xs, ys) in enumerate(zip(x.chunk(microbatches), y.chunk(microbatches))):
             set_grad_sync(model, zero, i == microbatches - 1)
-            with amp(device, autocast):
-                logits = logits_of(model(xs, **forward_kwargs(loss_fn)))
-            loss = loss_fn(logits, ys) * scale
-            del logits   # the loss saved what its backward needs: the logits go once that has run
+            loss = micro_batch_loss(model, xs, ys, loss_fn, autocast) * scale
             loss.backward()
             total += _value(loss)
     return sum_over(total, mesh, "loss") / n_dp

@@ -37,7 +37,7 @@ from meshtron.config import Config, ConfigError
 from meshtron.data import BatchLoader, open_data
 from meshtron.distributed.agree import agree
 from meshtron.distributed.context_parallel import shard_sequence
-from meshtron.distributed.data_parallel import autocast, autocast_dtype, reshard
+from meshtron.distributed.data_parallel import autocast_dtype, reshard
 from meshtron.distributed.float8 import precompute_scales
 from meshtron.distributed.mesh import batch_slice, degree, init_mesh, world_size
 from meshtron.distributed.pipeline_parallel import Pipeline
@@ -46,10 +46,10 @@ from meshtron.distributed.tied import materialize
 from meshtron.train import checkpoint, hf
 from meshtron.train.layout import build_model, pipeline_io, resolve_layout
 from meshtron.train.lifetime import DirectoryLock, describe, die_with_agent, under_torchrun
-from meshtron.train.loss import IGNORE_INDEX, forward_kwargs, logits_of
+from meshtron.train.loss import IGNORE_INDEX, forward_kwargs
 from meshtron.train.metrics import RunLog, Throughput, peak_memory_gib
 from meshtron.train.optim import build_optimizer, warmup_cosine
-from meshtron.train.step import _value, gradients, layout_loss, moe_end_step
+from meshtron.train.step import _value, gradients, layout_loss, micro_batch_loss, moe_end_step
 
 
 def init_process_group(timeout_s: float) -> None:
@@ -251,11 +251,8 @@ class Trainer:
             if self.pipeline is not None:
                 s = sum_over(self.pipeline.evaluate(x, y), self.mesh, "pp")
             else:
-                s = torch.zeros((), device=self.device)
-                for xs, ys in zip(x.chunk(self.microbatches), y.chunk(self.microbatches)):
-                    with autocast(self.device, amp):
-                        logits = logits_of(self.parts[0](xs, **forward_kwargs(self.loss_fn)))
-                    s = s + _value(self.loss_fn(logits, ys))
+                s = sum(_value(micro_batch_loss(self.parts[0], xs, ys, self.loss_fn, amp))
+                        for xs, ys in zip(x.chunk(self.microbatches), y.chunk(self.microbatches)))
             total = total + sum_over(s, self.mesh, "loss")
         reshard(self.parts)
         for m in self.parts:
