@@ -7,7 +7,10 @@ through the recipe's own Trainer (its defaults unless flags say otherwise).
 
 Prints one line per --every steps (loss, each layer's load of that step, the
 expert bias's spread per layer) and, at the end, each layer's load at the last
-step and its mean over the last 10 steps. A collapsed layer of E experts, top-k,
+step, its mean over the last 10 steps, and the load of those 10 steps' tokens
+pooled (their counts summed): a router balanced over the data but not within
+each step (a few documents a step, each routed much alike) reads near 1 pooled
+and higher per step. A collapsed layer of E experts, top-k,
 reads E / k (every token to the same k experts); a uniform router about 1 + a few
 standard deviations of the per-expert counts. One process, no pipeline (the
 statistics are each block's, read before the step's end resets them).
@@ -51,8 +54,11 @@ def main(argv=None) -> dict:
                 m.router.gate.weight.normal_(0.0, args.router_std)
     end_step = trainer_module.moe_end_step
 
+    counts_by_step = []
+
     def read_then_end(parts, mesh):   # each layer's counts of the step, before end_step resets them
         counts = torch.stack([m.tokens_per_expert for m in blocks])
+        counts_by_step.append(counts.clone())
         loads.append((counts.max(1).values / counts.mean(1)).tolist())
         return end_step(parts, mesh)
     trainer_module.moe_end_step = read_then_end
@@ -67,10 +73,14 @@ def main(argv=None) -> dict:
                   + " ".join(f"{x:.2f}" for x in loads[-1]) + " | bias spread " + " ".join(f"{x:.3f}" for x in spread),
                   flush=True)
     tail = torch.tensor(loads[-10:])
+    pooled = torch.stack(counts_by_step[-10:]).sum(0)
+    pooled = (pooled.max(1).values / pooled.mean(1)).tolist()
     summary = dict(model=trainer.config.model.model, steps=steps, moe=str(blocks[0].cfg), router_std=args.router_std,
                    last=[round(x, 3) for x in loads[-1]], last10_mean=[round(x, 3) for x in tail.mean(0).tolist()],
+                   last10_pooled=[round(x, 3) for x in pooled],
                    loads=[[round(x, 3) for x in row] for row in loads])
-    print(f"last step by layer {summary['last']} | mean of the last 10 steps by layer {summary['last10_mean']}")
+    print(f"last step by layer {summary['last']} | mean of the last 10 steps by layer {summary['last10_mean']} "
+          f"| the last 10 steps pooled by layer {summary['last10_pooled']}")
     if args.out:
         with open(args.out, "a") as f:
             f.write(json.dumps(summary) + "\n")

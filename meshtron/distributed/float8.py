@@ -21,9 +21,10 @@ What stays in high precision (`convertible`): embeddings and norms; the output
 head (its logits feed the loss) and mixture-of-experts routers (fp32 by design),
 by the skip patterns each model passes; linears with a dim that is not a
 multiple of 16 (the fp8 GEMM's constraint); the experts' 3-D grouped-GEMM
-weights (not nn.Linear); and nn.Linear subclasses with a forward of their own
-(the GPT's fused LinearGeLU fc1): swapping their class would drop what that
-forward adds.
+weights (not nn.Linear); and nn.Linear subclasses with a forward of their own,
+unless they name what follows the linear: a subclass with an `activation(y)`
+method (the GPT's fused LinearGeLU fc1) becomes a Float8Linear that applies it,
+the bias add and activation then left to compile to fuse.
 
 Order (torchtitan's): convert before TP, which then shards Float8Linear
 weights, before recompute, compile and FSDP. On a device without fp8 matmuls
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import math
 
 import torch
@@ -78,7 +80,7 @@ def emulated(device_type: str) -> bool:
 def convertible(name: str, module: nn.Module, skip=(), tp: int = 1) -> bool:
     """Whether the linear `name` computes in fp8 (see the module docstring); its dims
     must stay multiples of 16 after a split over `tp` ranks."""
-    if type(module) is not nn.Linear:
+    if type(module) is not nn.Linear and not (isinstance(module, nn.Linear) and hasattr(module, "activation")):
         return False
     if any(fnmatch.fnmatchcase(name, p) for p in skip):
         return False
@@ -100,8 +102,26 @@ def convert(model: nn.Module, recipe: str, device_type: str, *, skip=DEFAULT_SKI
     for name in names:
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent)
-        setattr(owner, child, Float8Linear.from_float(getattr(owner, child), config=config))
+        linear = getattr(owner, child)
+        if type(linear) is nn.Linear:
+            setattr(owner, child, Float8Linear.from_float(linear, config=config))
+        else:
+            new = _float8_then().from_float(linear, config=config)
+            new.activation = linear.activation   # a function of the linear's output alone
+            setattr(owner, child, new)
     return names
+
+
+@functools.cache
+def _float8_then():
+    """Float8Linear followed by the activation its model's Linear subclass names
+    (a class made once, on first use: torchao is an optional import)."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    class Float8LinearThen(Float8Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.activation(super().forward(x))
+    return Float8LinearThen
 
 
 def is_float8(module: nn.Module) -> bool:

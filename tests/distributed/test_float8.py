@@ -129,9 +129,19 @@ def test_what_converts_and_what_stays_high_precision():
                      "layers.0.attention.wo"]   # the MoE's router (an nn.Linear) and experts (3-D) stay
     gpt = GPT(gpt_config("tiny", n_layers=1, dim=64, n_heads=4, vocab_size=320), seed=0)
     gpt.layers["0"].attn.proj = torch.nn.Linear(64, 72)   # a dim that is no multiple of 16
+    fc1 = gpt.layers["0"].mlp.fc1    # a LinearGeLU: converted with its GeLU kept
     names = float8.convert(gpt, "tensorwise", "cpu", skip=("output",))
-    assert names == ["layers.0.attn.qkv", "layers.0.mlp.fc2"]   # fc1 is a LinearGeLU: its GeLU would be lost
-    assert type(gpt.layers["0"].mlp.fc1).__name__ == "LinearGeLU"
+    assert names == ["layers.0.attn.qkv", "layers.0.mlp.fc1", "layers.0.mlp.fc2"]
+    x = torch.randn(3, 5, 64, requires_grad=True)
+    plain = torch.nn.Sequential(torch.nn.Linear(64, 256))
+    float8.convert(plain, "tensorwise", "cpu")
+    with torch.no_grad():
+        plain[0].weight.copy_(fc1.weight), plain[0].bias.copy_(fc1.bias)
+    y = gpt.layers["0"].mlp.fc1(x)
+    torch.testing.assert_close(y, torch.nn.functional.gelu(plain[0](x), approximate="tanh"), rtol=0, atol=0)
+    (gx,) = torch.autograd.grad(y.square().sum(), x)
+    (gx_ref,) = torch.autograd.grad(torch.nn.functional.gelu(plain[0](x), approximate="tanh").square().sum(), x)
+    torch.testing.assert_close(gx, gx_ref, rtol=0, atol=0)
     before = {n for n, _ in Llama(CFG, seed=0).named_parameters()}
     m = _fp8_reference("tensorwise")()
     assert {n for n, _ in m.named_parameters()} == before   # the same names: checkpoints and HF export unchanged

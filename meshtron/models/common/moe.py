@@ -3,9 +3,10 @@ token; the experts hold one 3-D weight per projection, [n_experts, in, out];
 tokens reach them through a dispatcher (here every expert is local; expert
 parallelism swaps in one that moves tokens by all-to-all, from outside).
 
-    router   scores = softmax or sigmoid(x W_r) in fp32; the top-k of scores
-             (+ the aux-loss-free expert bias, which only selects: DeepSeek-V3)
-             pick the experts; their scores, renormalized to sum 1 (route_norm,
+    router   scores = softmax or sigmoid(logits = x W_r) in fp32; the top-k of
+             logits + the aux-loss-free expert bias (which only selects:
+             DeepSeek-V3's, on the logits) pick the experts; their scores,
+             renormalized to sum 1 (route_norm,
              Qwen3's; always for sigmoid), weigh the experts' outputs, summed in
              fp32. `balanced` (benchmarks only) assigns experts round-robin
     experts  SwiGLU w2(silu(x w1_gate) * x w1_up) or GeLU (x w1 + b1) -> w2 + b2,
@@ -14,7 +15,8 @@ parallelism swaps in one that moves tokens by all-to-all, from outside).
              fraction of routed tokens, P_i the mean score of expert i, both
              over every rank's tokens of the step), added to the gradients by
              an autograd function without changing the logged loss; and the
-             expert bias, moved after each step towards equal token counts
+             expert bias, moved after each step towards equal token counts in
+             proportion to each expert's distance from the mean load
     capacity dropless by default; with a capacity factor c each expert takes
              at most ceil(c k N / E) of the N tokens of the micro-batch (over
              every rank) and drops the rest, lowest score first, ties by token
@@ -47,8 +49,8 @@ class MoEConfig:
     score: str = "softmax"         # router scores: softmax or sigmoid
     route_norm: bool = True        # the chosen experts' weights renormalized to sum 1 (always for sigmoid)
     n_shared: int = 0              # shared experts (a dense MLP of n_shared * hidden applied to every token)
-    aux_loss: float = 1e-2         # load-balancing loss coefficient (0: off)
-    bias_update: float = 1e-3      # aux-loss-free expert bias step (0: off)
+    aux_loss: float = 3e-2         # load-balancing loss coefficient (0: off)
+    bias_update: float = 3e-3      # aux-loss-free expert bias rate, logits per unit of relative load (0: off)
     capacity: float = 0.0          # capacity factor (0: dropless)
     activation: str = "swiglu"     # swiglu (Llama) or gelu (GPT, with biases)
     balanced: bool = False         # benchmarks only: round-robin experts instead of the router's choice
@@ -100,7 +102,9 @@ class Router(nn.Module):
             k, n = self.cfg.top_k, x.shape[0]
             experts = torch.arange(n * k, device=x.device).view(n, k) % self.cfg.n_experts
         else:
-            experts = (scores.detach() + self.expert_bias).topk(self.cfg.top_k, dim=-1).indices
+            # on the logits, not the scores: a softmax's scores shrink with E and saturate as the
+            # router sharpens, so a bias on them moves fewer tokens the longer a run trains
+            experts = (logits.detach() + self.expert_bias).topk(self.cfg.top_k, dim=-1).indices
         weights = scores.gather(-1, experts)
         if self.cfg.route_norm or self.cfg.score == "sigmoid":
             weights = weights / weights.sum(-1, keepdim=True)
@@ -246,9 +250,12 @@ def moe_blocks(parts) -> list[MoE]:
 
 @torch.no_grad()
 def end_step(blocks: list[MoE]) -> torch.Tensor:
-    """After the optimizer step: move each expert bias by bias_update towards equal
-    loads (DeepSeek-V3: +u where an expert got fewer tokens than the mean, -u where
-    more), from the step's token counts over every rank; reset the statistics.
+    """After the optimizer step: move each expert's bias towards equal loads, by
+    bias_update x (1 - load / mean load), from the step's token counts over every
+    rank; reset the statistics. DeepSeek-V3 steps by bias_update x sign(mean - load):
+    a fixed step that overshoots near balance, where the router's logits differ by
+    little (early in training), and catches up slowly with a collapsed start; the
+    proportional step does neither.
     Returns this rank's [aux loss (summed over blocks, mean over micro-batches),
     dropped copies, routed copies, max over blocks of the load's max/mean], on the
     device (reading it waits for the GPU)."""
@@ -256,8 +263,8 @@ def end_step(blocks: list[MoE]) -> torch.Tensor:
     for m in blocks:
         load = m.tokens_per_expert
         if m.cfg.bias_update > 0 and not m.cfg.balanced:
-            step = m.cfg.bias_update * torch.sign(load.mean() - load)
-            m.router.expert_bias += step - step.mean()   # centred (torchtitan): only differences select
+            step = m.cfg.bias_update * (1 - load / load.mean().clamp_min(1e-9))
+            m.router.expert_bias += step - step.mean()   # centred: only differences select
         out[:3] += torch.stack([m.aux_loss_sum, m.dropped, load.sum()]) / m.calls.clamp_min(1)
         out[3] = torch.maximum(out[3], load.max() / load.mean().clamp_min(1e-9))
         for b in (m.tokens_per_expert, m.aux_loss_sum, m.dropped, m.calls):

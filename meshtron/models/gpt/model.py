@@ -110,7 +110,8 @@ class LayerNorm(nn.LayerNorm):
 
 class LinearGeLU(nn.Linear):
     """y = gelu_tanh(x W^T + b). The bias add is fused into the GeLU kernel on GPU
-    (Megatron's bias_gelu); it stays an nn.Linear so column-parallel plans apply."""
+    (Megatron's bias_gelu); it stays an nn.Linear so column-parallel plans apply,
+    and names its activation so FP8 training can keep it (distributed/float8.py)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, fused: bool):
         super().__init__(in_features, out_features, bias=bias)
@@ -122,7 +123,12 @@ class LinearGeLU(nn.Linear):
             h = F.linear(x, self.weight)
             # autocast leaves the bias fp32, which would make the GeLU's output fp32 too
             return bias_gelu(h, self.bias.to(h.dtype))
-        return F.gelu(F.linear(x, self.weight, self.bias), approximate="tanh")
+        return self.activation(F.linear(x, self.weight, self.bias))
+
+    @staticmethod
+    def activation(y: torch.Tensor) -> torch.Tensor:
+        """What follows the linear: kept when FP8 training replaces this class."""
+        return F.gelu(y, approximate="tanh")
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
