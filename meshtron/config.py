@@ -104,8 +104,8 @@ class ParallelConfig:
     """gradient reduction dtype"""
     fp8: str = field(default="none", metadata={"choices": FP8_RECIPES})
     ("""FP8 matmuls (torchao Float8Linear, with --dtype bf16): tensorwise or rowwise scales; what stays in the """
-     """compute dtype: embeddings, norms, the output head, MoE routers and experts, the GPT's fused fc1 """
-     """(LinearGeLU) and linears with a dim that is not a multiple of 16""")
+     """compute dtype: embeddings, norms, the output head, MoE routers and experts, and linears with a dim """
+     """that is not a multiple of 16""")
     mixed_precision: str = field(default="autocast", metadata={"choices": ("autocast", "fsdp")})
     """one process's bf16/fp16: torch.autocast on fp32 weights, or FSDP2's policy on a one-rank mesh"""
 
