@@ -55,7 +55,7 @@ class ModelConfig:
     moe_aux_loss: float | None = None
     """mixture of experts: load-balancing loss coefficient (0: off; default: the preset's)"""
     moe_bias_update: float | None = None
-    """mixture of experts: aux-loss-free expert bias step per optimizer step (0: off; default: the preset's)"""
+    """mixture of experts: expert bias rate, logits per unit of relative load (0: off; default: the preset's)"""
     moe_capacity: float | None = None
     """mixture of experts: capacity factor (0: dropless; default: the preset's)"""
     moe_balanced_routing: bool = False
