@@ -40,15 +40,18 @@ TOL = 1e-5
 GPT_CFG = gpt_config("tiny", n_layers=2, dim=64, n_heads=4, vocab_size=320, max_seq_len=64)
 
 
-def _build(cfg):
-    return (lambda: Llama(cfg, seed=0)) if isinstance(cfg, LlamaConfig) else (lambda: GPT(cfg, seed=0))
+def _family(cfg):
+    """The model spec `cfg` configures and the linears its layouts keep high precision."""
+    return (LLAMA_SPEC, FP8_SKIP) if isinstance(cfg, LlamaConfig) else (GPT_SPEC, GPT_FP8_SKIP)
 
 
 def _fp8_reference(recipe, cfg=CFG):
     """The one-process FP8 model: converted as the layouts convert it, nothing else."""
+    spec, skip = _family(cfg)
+
     def build():
-        m = _build(cfg)()
-        float8.convert(m, recipe, "cpu", skip=FP8_SKIP if isinstance(cfg, LlamaConfig) else GPT_FP8_SKIP)
+        m = spec.model_cls(cfg, seed=0)
+        float8.convert(m, recipe, "cpu", skip=skip)
         return m
     return build
 
@@ -68,11 +71,11 @@ def _parity(rank, world, degrees, recipe, pcfg_kwargs=None, cfg=CFG):
     batches = tiny_batches(CFG.vocab_size, steps=STEPS, batch=8, seq=SEQ)
     n_dp = degrees.get("dp", 1) * degrees.get("ep", 1)
     micro = 2 if degrees.get("pp", 1) > 1 else 1
-    spec = LLAMA_SPEC if isinstance(cfg, LlamaConfig) else GPT_SPEC
+    spec, _ = _family(cfg)
     par = _scaled(pipelined(pcfg, spec, cfg, microbatches=2) if micro == 2 else layout(pcfg, spec))
-    return run_parity(me, _build(cfg), par, batches, max_norm=0.5, fb_kwargs=fb_kwargs(me, pcfg),
-                        ref_fb_kwargs={"microbatches": n_dp * micro}, build_ref=_fp8_reference(recipe, cfg),
-                        rank_major=True, after_step=float8.precompute_scales)
+    return run_parity(me, lambda: spec.model_cls(cfg, seed=0), par, batches, max_norm=0.5,
+                      fb_kwargs=fb_kwargs(me, pcfg), ref_fb_kwargs={"microbatches": n_dp * micro},
+                      build_ref=_fp8_reference(recipe, cfg), rank_major=True, after_step=float8.precompute_scales)
 
 
 LAYOUTS = {"one process": (1, dict(dp=1), None),
