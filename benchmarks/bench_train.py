@@ -201,7 +201,7 @@ def timed(step, batches, args, trainer) -> tuple[list, list, float, list[float]]
     def one(i):
         trace.append(step(*batches[i % len(batches)]))
         if trainer.moe_stats is not None:   # the worst layer's tokens of its busiest expert / the mean
-            loads.append(trainer.moe_stats[3])
+            loads.append(trainer.moe_stats[3:])   # [as run, the router's own choice]
     t0 = time.perf_counter()
     for i in range(args.warmup):
         one(i)
@@ -288,8 +288,10 @@ def measure(name: str, recipe_flags: list[str], args) -> dict:
                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   torch=torch.__version__)
     if loads:   # throughput depends on the routing: every MoE figure carries its load balance
-        loads = [round(float(x), 3) for x in loads]
+        loads, own = ([round(float(x[j]), 3) for x in loads] for j in (0, 1))
         result.update(expert_load_max_over_mean=loads, expert_load_timed_max=max(loads[args.warmup:]),
+                      router_load_timed_max=max(own[args.warmup:]),
+                      batch_balance=trainer.model_config.moe.batch_balance,
                       balanced_routing=trainer.model_config.moe.balanced)
     if args.check_replicas:
         result["replica_spread"] = replica_spread(trainer.parts)
@@ -430,7 +432,11 @@ def summarize(path: str, peer_path: str | None, baseline: str | None = None) -> 
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else ""
         load = ""
         if "expert_load_timed_max" in r:
-            load = f"{r['expert_load_timed_max']:.2f}" + (" (balanced routing)" if r["balanced_routing"] else "")
+            load = f"{r['expert_load_timed_max']:.2f}"
+            if r["balanced_routing"]:
+                load += " (balanced routing)"
+            elif r.get("batch_balance"):
+                load += f" (router's own {r['router_load_timed_max']:.2f})"
         if r.get("profile"):
             print("  profile (ms/step): " + ", ".join(f"{k} {v:.1f}" for k, v in r["profile"].items()))
         print(f"| {r['layout']} | {r['world']} | {r['step_ms']:.1f} | {r['tokens_per_s_per_gpu']:,.0f} | {mfu} | "

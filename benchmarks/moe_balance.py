@@ -13,7 +13,8 @@ each step (a few documents a step, each routed much alike) reads near 1 pooled
 and higher per step. A collapsed layer of E experts, top-k,
 reads E / k (every token to the same k experts); a uniform router about 1 + a few
 standard deviations of the per-expert counts. One process, no pipeline (the
-statistics are each block's, read before the step's end resets them).
+statistics are each block's, as its step ended). With batch balancing on, each
+line also shows the router's own choice before it.
 """
 from __future__ import annotations
 
@@ -26,9 +27,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import meshtron.train.trainer as trainer_module  # noqa: E402
 from meshtron import Config, Trainer, models  # noqa: E402
-from meshtron.models.common.moe import moe_blocks  # noqa: E402
+from meshtron.models.common.moe import moe_blocks, step_loads  # noqa: E402
 from meshtron.train.trainer import init_process_group  # noqa: E402
 
 
@@ -46,41 +46,42 @@ def main(argv=None) -> dict:
     trainer = Trainer(Config.from_args(recipe, models=models.PRESETS), verbose=False)
     if trainer.pipeline is not None or getattr(trainer.model_config, "moe", None) is None:
         raise SystemExit("moe_balance.py: a mixture-of-experts model without a pipeline")
-    blocks, loads = moe_blocks(trainer.parts), []
+    blocks, loads, own_loads, counts_by_step = moe_blocks(trainer.parts), [], [], []
     if args.router_std is not None:
         torch.manual_seed(0)
         with torch.no_grad():
             for m in blocks:
                 m.router.gate.weight.normal_(0.0, args.router_std)
-    end_step = trainer_module.moe_end_step
-
-    counts_by_step = []
-
-    def read_then_end(parts, mesh):   # each layer's counts of the step, before end_step resets them
-        counts = torch.stack([m.tokens_per_expert for m in blocks])
-        counts_by_step.append(counts.clone())
-        loads.append((counts.max(1).values / counts.mean(1)).tolist())
-        return end_step(parts, mesh)
-    trainer_module.moe_end_step = read_then_end
     steps = trainer.config.training.steps
     print(f"{trainer.config.model.model}: {len(blocks)} MoE layers, {blocks[0].cfg} | global batch "
           f"{trainer.global_batch} x {trainer.config.training.seq_len}", flush=True)
     for step in range(1, steps + 1):
         loss, _ = trainer.step(*trainer.loader.next())
+        counts = step_loads(blocks).cpu()               # (layers, [run, router's own], E)
+        counts_by_step.append(counts[:, 0])
+        ratio = (counts.max(-1).values / counts.mean(-1)).tolist()
+        loads.append([r[0] for r in ratio])
+        own_loads.append([r[1] for r in ratio])
         if step % args.every == 0 or step in (1, steps):
             spread = [float(m.router.expert_bias.max() - m.router.expert_bias.min()) for m in blocks]
+            own = ""
+            if blocks[0].cfg.batch_balance:
+                own = " | router's own " + " ".join(f"{x:.2f}" for x in own_loads[-1])
             print(f"step {step:>5} | loss {float(loss):.4f} | load max/mean by layer "
-                  + " ".join(f"{x:.2f}" for x in loads[-1]) + " | bias spread " + " ".join(f"{x:.3f}" for x in spread),
-                  flush=True)
+                  + " ".join(f"{x:.2f}" for x in loads[-1]) + own
+                  + " | bias spread " + " ".join(f"{x:.3f}" for x in spread), flush=True)
     tail = torch.tensor(loads[-10:])
     pooled = torch.stack(counts_by_step[-10:]).sum(0)
     pooled = (pooled.max(1).values / pooled.mean(1)).tolist()
     summary = dict(model=trainer.config.model.model, steps=steps, moe=str(blocks[0].cfg), router_std=args.router_std,
+                   final_loss=float(loss),
                    last=[round(x, 3) for x in loads[-1]], last10_mean=[round(x, 3) for x in tail.mean(0).tolist()],
                    last10_pooled=[round(x, 3) for x in pooled],
+                   own_last10_mean=[round(x, 3) for x in torch.tensor(own_loads[-10:]).mean(0).tolist()],
                    loads=[[round(x, 3) for x in row] for row in loads])
     print(f"last step by layer {summary['last']} | mean of the last 10 steps by layer {summary['last10_mean']} "
-          f"| the last 10 steps pooled by layer {summary['last10_pooled']}")
+          f"| the last 10 steps pooled by layer {summary['last10_pooled']} | the router's own choice, "
+          f"mean of the last 10 steps {summary['own_last10_mean']} | loss {summary['final_loss']:.4f}")
     if args.out:
         with open(args.out, "a") as f:
             f.write(json.dumps(summary) + "\n")

@@ -1,7 +1,8 @@
 #!/bin/bash
 # llama-moe-3B on one GPU: the load balance of the recipe's defaults over 50 steps, then meshtron
 # against torchtitan 0.2.2's `run.sh moe_1gpu` (Qwen3-style, 12 x 2048, 16 experts top-2, 4 x 2048
-# tokens, bf16, not compiled), each with its natural routing and with forced balanced
+# tokens, bf16, not compiled), each with its natural routing (meshtron's: the recipe's batch
+# balancing, and also without it: the router's own choice) and with forced balanced
 # (round-robin) routing, in one call. Run from the repository root with the kit in .peer/
 # (benchmarks/vs_torchtitan.sh says how to build it):  OUT=$OUT bash benchmarks/moe_vs_torchtitan.sh
 # Env: STEPS=50 (the recipe's run)  TT_STEPS=15 (torchtitan's; its tokens/s are its last 5 steps)
@@ -22,8 +23,8 @@ timeout 120 python recipes/train.py $A --steps "${STEPS:-50}" --log-interval 5 >
 echo "rc=$?"
 grep -E "^step|rror" "$OUT/recipe_defaults.log" | sed -E 's/ \| (lr|grad norm|peak mem|eta) [^|]*//g'
 
-for mode in natural balanced; do
-  flag=""; [ $mode = balanced ] && flag="--moe-balanced-routing"
+for mode in natural own balanced; do   # own: the router's own choice, batch balancing off
+  flag=""; [ $mode = balanced ] && flag="--moe-balanced-routing"; [ $mode = own ] && flag="--moe-batch-balance 0"
   echo "== meshtron bench_train, $mode routing"
   timeout 90 python benchmarks/bench_train.py --layouts 1gpu $A $flag --warmup 2 --steps 3 --rounds 3 \
     --out "$OUT/mt_$mode" > "$OUT/mt_$mode.log" 2>&1
@@ -44,11 +45,12 @@ done
 python - "$OUT" <<'EOF'
 import json, re, sys
 out = sys.argv[1]
-for mode in ("natural", "balanced"):
+for mode in ("natural", "own", "balanced"):
+    peer = "balanced" if mode == "balanced" else "natural"
     try:
         mt = json.loads(open(f"{out}/mt_{mode}/results.jsonl").readline())
-        tt = [float(x.replace(",", "")) for x in re.findall(r"tps: ([\d,]+)", open(f"{out}/tt_{mode}.log").read())]
-        load_tt = re.findall(r"tt3_moe_load: .*?: (.*)", open(f"{out}/tt_{mode}.log").read())
+        tt = [float(x.replace(",", "")) for x in re.findall(r"tps: ([\d,]+)", open(f"{out}/tt_{peer}.log").read())]
+        load_tt = re.findall(r"tt3_moe_load: .*?: (.*)", open(f"{out}/tt_{peer}.log").read())
         tt_last = load_tt[0].split()[-5:] if load_tt else "n/a"
         print(f"{mode}: meshtron {mt['tokens_per_s_per_gpu']:,.0f} tok/s (load max/mean of the timed steps, "
               f"worst {mt.get('expert_load_timed_max')}) | torchtitan {tt[-1]:,.0f} tok/s (last 5 steps' load "

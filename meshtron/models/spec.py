@@ -56,7 +56,7 @@ class ModelSpec:
 
 def moe_overrides(preset, options) -> dict:
     """The --moe-* options as overrides of a preset's `moe` field (refused for a dense model)."""
-    given = {k: getattr(options, f"moe_{k}") for k in ("aux_loss", "bias_update", "capacity")}
+    given = {k: getattr(options, f"moe_{k}") for k in ("aux_loss", "bias_update", "capacity", "batch_balance")}
     given = {k: v for k, v in given.items() if v is not None}
     if getattr(options, "moe_balanced_routing", False):
         given["balanced"] = True

@@ -23,6 +23,8 @@ Where each comes from, per micro-batch unless said:
   per chunk of C tokens. SP's norms give Partial gradients, all-reduced over tp.
 - CP: the ring passes K and V round (cp - 1 steps forward, again backward) and
   dK, dV in the attention's accumulator (fp32 on GPUs, fp64 on the CPU).
+- MoE: per block the routing sums over the ranks holding other tokens, and with
+  batch balancing a gather of their fp32 logits.
 - EP: per MoE block an all-to-all of the expert counts, of the token copies
   there and back, and both again backward. What a rank receives depends on the
   routing: predicted as if every rank received what it sends (exact summed
@@ -318,10 +320,12 @@ def _cp_blocks(t: _Tally, s: _Step, blocks: int) -> None:
 
 
 def _moe_blocks(t: _Tally, s: _Step, blocks: int) -> None:
-    """Each MoE block's routing sums, capacity gathers and ep all-to-alls."""
+    """Each MoE block's routing sums, batch balancing's and capacity's gathers and ep all-to-alls."""
     moe, m, refwd, tokens = s.cfg.moe, s.m * blocks, s.refwd, s.tokens
     E, k = moe.n_experts, moe.top_k
-    t.add("all_reduce", s.loss_label, (2 * E + 1) * 4, m * (1 + refwd))
+    t.add("all_reduce", s.loss_label, (3 * E + 1) * 4, m * (1 + refwd))
+    if moe.batch_balance > 0 and not moe.balanced:   # the selection logits, fp32
+        t.add("all_gather", s.loss_label, tokens * E * 4, m * (1 + refwd))
     if moe.capacity > 0:
         t.add("all_gather", s.loss_label, tokens * k * s.a, m * (1 + refwd))
         t.add("all_gather", s.loss_label, tokens * k * 8, m * (1 + refwd))
@@ -397,8 +401,8 @@ def _pipeline(t: _Tally, s: _Step) -> None:
             t.add("recv", "pp", numel * 4, part="pp")
     t.add("all_reduce", "pp", 4, 2, "pp")    # the loss' sum over stages, the squared norm's
     if getattr(s.cfg, "moe", None) is not None:
-        t.add("all_reduce", "pp", 3 * 4, part="pp")    # the MoE statistics: sums, then the worst load
-        t.add("all_reduce", "pp", 4, part="pp")
+        t.add("all_reduce", "pp", 3 * 4, part="pp")    # the MoE statistics: sums, then the worst loads
+        t.add("all_reduce", "pp", 2 * 4, part="pp")
 
 
 def _scalars(t: _Tally, s: _Step) -> None:

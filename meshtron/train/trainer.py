@@ -317,10 +317,15 @@ class Trainer:
             line += f" | MFU {100 * m['mfu']:.1f}%"
         moe = {}
         if self.moe_stats is not None:
-            aux, dropped, routed, load = self.moe_stats.tolist()
-            moe = {"aux_loss": aux, "expert_load_max_over_mean": load}
-            balanced = " (balanced routing)" if self.model_config.moe.balanced else ""
-            line += f" | aux {aux:.4f} | load max/mean {load:.2f}{balanced}"
+            aux, dropped, routed, load, own = self.moe_stats.tolist()
+            moe = {"aux_loss": aux, "expert_load_max_over_mean": load, "router_load_max_over_mean": own}
+            if self.model_config.moe.balanced:
+                note = " (balanced routing)"
+            elif self.model_config.moe.batch_balance:
+                note = f" (router's own {own:.2f})"
+            else:
+                note = ""
+            line += f" | aux {aux:.4f} | load max/mean {load:.2f}{note}"
             if self.model_config.moe.capacity > 0:
                 moe["dropped_fraction"] = dropped / max(routed, 1.0)
                 line += f" | dropped {100 * moe['dropped_fraction']:.1f}%"

@@ -1,7 +1,8 @@
 """Mixture of experts and expert parallelism (issue 15) on gloo: every layout
 against one process over 10 steps in fp32 (loss, aux loss, gathered gradients
 of experts, router and dense weights, the clipped norm, updated weights, the
-expert bias); capacity drops alike at every ep degree; the collectives of one
+expert bias), the Llama's routing balanced per micro-batch; capacity drops alike
+at every ep degree; the collectives of one
 MoE layer; the recipe at --ep 2 against --dp 2; checkpoints across ep degrees."""
 import json
 import shutil
@@ -23,7 +24,10 @@ from parity import assert_parity, fb_kwargs, layout, pipelined, run_parity, tiny
 TOL = 1e-5
 SEQ = 16
 GPT_MOE = MoEConfig(n_experts=8, top_k=2, hidden=32, activation="gelu", aux_loss=1e-2, bias_update=1e-3)
-LLAMA_MOE = MoEConfig(n_experts=8, top_k=2, hidden=32, score="sigmoid", n_shared=1, aux_loss=1e-2, bias_update=1e-3)
+# the Llama's routing is evened per micro-batch (batch_balance): every layout must gather
+# the same logits and find the same bias; the GPT's is the router's own choice
+LLAMA_MOE = MoEConfig(n_experts=8, top_k=2, hidden=32, score="sigmoid", n_shared=1, aux_loss=1e-2, bias_update=1e-3,
+                      batch_balance=4)
 GPT_CFG = gpt_config("tiny", n_layers=2, dim=64, n_heads=4, moe=GPT_MOE)
 LLAMA_CFG = LlamaConfig(n_layers=2, dim=64, n_heads=8, n_kv_heads=4, ffn_dim=96, vocab_size=320, max_seq_len=256,
                         rope_theta=1e4, moe=LLAMA_MOE)

@@ -8,15 +8,21 @@ parallelism swaps in one that moves tokens by all-to-all, from outside).
              DeepSeek-V3's, on the logits) pick the experts; their scores,
              renormalized to sum 1 (route_norm,
              Qwen3's; always for sigmoid), weigh the experts' outputs, summed in
-             fp32. `balanced` (benchmarks only) assigns experts round-robin
+             fp32. `batch_balance` (training only) then evens the top-k over the
+             micro-batch; `balanced` (benchmarks only) assigns experts round-robin
     experts  SwiGLU w2(silu(x w1_gate) * x w1_up) or GeLU (x w1 + b1) -> w2 + b2,
              one grouped GEMM per projection over the tokens sorted by expert
     balance  the auxiliary loss a E sum_i f_i P_i (Switch / Megatron: f_i the
-             fraction of routed tokens, P_i the mean score of expert i, both
-             over every rank's tokens of the step), added to the gradients by
-             an autograd function without changing the logged loss; and the
-             expert bias, moved after each step towards equal token counts in
-             proportion to each expert's distance from the mean load
+             fraction of tokens the router itself sends to expert i, P_i its
+             mean score, both over every rank's tokens of the step), added to
+             the gradients by an autograd function without changing the logged
+             loss; the expert bias, moved after each step towards equal token
+             counts of the router's own choice in proportion to each expert's
+             distance from the mean load; and, with batch_balance = r rounds, a
+             second bias for this micro-batch alone (batch_bias) that gives
+             every expert about the mean number of its copies: these two train
+             the router to balance over the data, this one evens each step,
+             whose few documents route much alike
     capacity dropless by default; with a capacity factor c each expert takes
              at most ceil(c k N / E) of the N tokens of the micro-batch (over
              every rank) and drops the rest, lowest score first, ties by token
@@ -53,6 +59,7 @@ class MoEConfig:
     bias_update: float = 3e-3      # aux-loss-free expert bias rate, logits per unit of relative load (0: off)
     capacity: float = 0.0          # capacity factor (0: dropless)
     activation: str = "swiglu"     # swiglu (Llama) or gelu (GPT, with biases)
+    batch_balance: int = 0         # rounds of per-micro-batch balancing while training (0: off)
     balanced: bool = False         # benchmarks only: round-robin experts instead of the router's choice
 
 
@@ -93,22 +100,58 @@ class Router(nn.Module):
         self.gate = nn.Linear(dim, cfg.n_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
 
-    def forward(self, x: torch.Tensor):
-        """x (N, dim) -> weights (N, k) fp32, experts (N, k), scores (N, E) fp32."""
+    def forward(self, x: torch.Tensor, step_sum: StepSum | None = None):
+        """x (N, dim) -> weights (N, k) fp32, experts (N, k), scores (N, E) fp32, and
+        the router's own top-k (N, k): the experts unless `step_sum` is given (and
+        batch_balance > 0), whose gathered tokens the choice is then evened over."""
         with torch.autocast(x.device.type, enabled=False):   # fp32 under autocast too
             logits = F.linear(x.float(), self.gate.weight.float())
         scores = logits.softmax(-1) if self.cfg.score == "softmax" else logits.sigmoid()
+        k = self.cfg.top_k
         if self.cfg.balanced:   # token t's copies to experts kt, kt+1, ... (mod E): every expert equally loaded
-            k, n = self.cfg.top_k, x.shape[0]
-            experts = torch.arange(n * k, device=x.device).view(n, k) % self.cfg.n_experts
+            experts = torch.arange(x.shape[0] * k, device=x.device).view(-1, k) % self.cfg.n_experts
+            own = experts
         else:
             # on the logits, not the scores: a softmax's scores shrink with E and saturate as the
             # router sharpens, so a bias on them moves fewer tokens the longer a run trains
-            experts = (logits.detach() + self.expert_bias).topk(self.cfg.top_k, dim=-1).indices
+            select = logits.detach() + self.expert_bias
+            experts = own = select.topk(k, dim=-1).indices
+            if step_sum is not None and self.cfg.batch_balance > 0:
+                # every rank gathers the same logits and finds the same bias: any layout routes alike
+                everyone, _ = step_sum.gather(select)
+                experts = (select + batch_bias(everyone, k, self.cfg.batch_balance)).topk(k, dim=-1).indices
         weights = scores.gather(-1, experts)
         if self.cfg.route_norm or self.cfg.score == "sigmoid":
             weights = weights / weights.sum(-1, keepdim=True)
-        return weights, experts, scores
+        return weights, experts, scores, own
+
+
+@torch.no_grad()
+def batch_bias(select: torch.Tensor, k: int, rounds: int) -> torch.Tensor:
+    """select (N, E) -> a bias (E,) under which the top-k of select + bias gives each
+    expert about the mean k N / E of the N tokens' copies. Each round moves every
+    expert's bias towards where, the others' held, it would take exactly that many:
+    halfway between its target-th and next token, ranked by how far the expert is
+    above (chosen) or below (not chosen) the token's cut-off (the next-best
+    expert's logit, or the k-th one's). Experts move at once, and tokens rank
+    them much alike, so after the first round (from a collapsed router a long way,
+    taken whole) full moves overshoot and oscillate; 70% of one settles
+    (benchmarks/RESULTS.md has the rounds measured). The halfway points keep a
+    layout's rounding of the logits from flipping a token at a cut."""
+    n, n_experts = select.shape
+    bias = select.new_zeros(n_experts)
+    if k >= n_experts or n < 2:
+        return bias
+    target = min(math.ceil(k * n / n_experts), n - 1)
+    for r in range(rounds):
+        s = select + bias
+        top = s.topk(k + 1, dim=-1).values                      # (N, k+1)
+        chosen = s >= top[:, k - 1:k]
+        cutoff = torch.where(chosen, top[:, k:], top[:, k - 1:k])
+        above = (s - cutoff).T.sort(dim=1, descending=True).values   # (E, N)
+        move = (above[:, target - 1] + above[:, target]) / 2
+        bias -= (1.0 if r == 0 else 0.7) * torch.where(move.isfinite(), move, 0.0)   # one masked off (-inf) stays off
+    return bias
 
 
 class Experts(nn.Module):
@@ -200,8 +243,12 @@ class MoE(nn.Module):
         self.shared = None
         if cfg.n_shared:
             self.shared = Experts(dim, MoEConfig(hidden=cfg.n_shared * cfg.hidden, activation=cfg.activation), 1)
-        # the step's statistics, summed over micro-batches and every rank's tokens
+        # the step's statistics, summed over micro-batches and every rank's tokens: copies each
+        # expert ran and those the router's own choice (before batch balancing) sent it
         self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_experts), persistent=False)
+        self.register_buffer("own_per_expert", torch.zeros(cfg.n_experts), persistent=False)
+        # the last finished step's [tokens_per_expert, own_per_expert], kept by end_step for readers
+        self.register_buffer("last_step", torch.zeros(2, cfg.n_experts), persistent=False)
         self.register_buffer("aux_loss_sum", torch.zeros(()), persistent=False)
         self.register_buffer("dropped", torch.zeros(()), persistent=False)
         self.register_buffer("calls", torch.zeros(()), persistent=False)
@@ -212,11 +259,11 @@ class MoE(nn.Module):
         B, T, dim = h.shape
         E = self.cfg.n_experts
         x = h.reshape(-1, dim)
-        weights, experts, scores = self.router(x)
-        # one sum over the ranks: [tokens per expert, tokens, scores per expert]
-        local = torch.cat([expert_counts(experts, E).float(),
+        weights, experts, scores, own = self.router(x, self.step_sum if self.training else None)
+        # one sum over the ranks: [tokens per expert, the router's own choice's, tokens, scores per expert]
+        local = torch.cat([expert_counts(experts, E).float(), expert_counts(own, E).float(),
                            x.new_full((1,), x.shape[0], dtype=torch.float32), scores.sum(0)])
-        counts, n_tokens, score_sums = self.step_sum(local).split([E, 1, E])
+        counts, own_counts, n_tokens, score_sums = self.step_sum(local).split([E, E, 1, E])
         capacity = self.cfg.capacity if self.training else 0.0   # evaluation and generation keep every token
         if capacity > 0:   # decided over every rank's tokens: the same drops under any layout
             (all_w, start), (all_e, _) = self.step_sum.gather(weights.detach()), self.step_sum.gather(experts)
@@ -233,11 +280,13 @@ class MoE(nn.Module):
         with torch.no_grad():
             self.calls += 1
             self.tokens_per_expert += counts
+            self.own_per_expert += own_counts
             if capacity > 0:
                 self.dropped += (~all_keep).sum()
         if self.cfg.aux_loss > 0:
-            # Switch: E * sum_i f_i P_i over every rank's tokens of this micro-batch
-            f = counts / (n_tokens * self.cfg.top_k)
+            # Switch: E * sum_i f_i P_i over every rank's tokens of this micro-batch, f of the
+            # router's own choice (batch balancing evens the counts, which would leave no gradient)
+            f = own_counts / (n_tokens * self.cfg.top_k)
             aux = self.cfg.aux_loss * E * (f * score_sums / n_tokens).sum()
             self.aux_loss_sum += aux.detach()
             out = _AuxLoss.apply(out, aux, self.aux_grad_scale)
@@ -250,26 +299,34 @@ def moe_blocks(parts) -> list[MoE]:
 
 @torch.no_grad()
 def end_step(blocks: list[MoE]) -> torch.Tensor:
-    """After the optimizer step: move each expert's bias towards equal loads, by
-    bias_update x (1 - load / mean load), from the step's token counts over every
-    rank; reset the statistics. DeepSeek-V3 steps by bias_update x sign(mean - load):
-    a fixed step that overshoots near balance, where the router's logits differ by
-    little (early in training), and catches up slowly with a collapsed start; the
-    proportional step does neither.
+    """After the optimizer step: move each expert's bias towards equal loads of the
+    router's own choice, by bias_update x (1 - load / mean load), from the step's
+    token counts over every rank; keep them in `last_step`; reset the statistics.
+    DeepSeek-V3 steps by bias_update x sign(mean - load): a fixed step that
+    overshoots near balance, where the router's logits differ by little (early in
+    training), and catches up slowly with a collapsed start; the proportional step
+    does neither.
     Returns this rank's [aux loss (summed over blocks, mean over micro-batches),
-    dropped copies, routed copies, max over blocks of the load's max/mean], on the
-    device (reading it waits for the GPU)."""
-    out = torch.zeros(4, device=blocks[0].calls.device if blocks else None)
+    dropped copies, routed copies, max over blocks of the load's max/mean, the same
+    of the router's own choice], on the device (reading it waits for the GPU)."""
+    out = torch.zeros(5, device=blocks[0].calls.device if blocks else None)
     for m in blocks:
-        load = m.tokens_per_expert
+        load, own = m.tokens_per_expert, m.own_per_expert
         if m.cfg.bias_update > 0 and not m.cfg.balanced:
-            step = m.cfg.bias_update * (1 - load / load.mean().clamp_min(1e-9))
+            step = m.cfg.bias_update * (1 - own / own.mean().clamp_min(1e-9))
             m.router.expert_bias += step - step.mean()   # centred: only differences select
         out[:3] += torch.stack([m.aux_loss_sum, m.dropped, load.sum()]) / m.calls.clamp_min(1)
-        out[3] = torch.maximum(out[3], load.max() / load.mean().clamp_min(1e-9))
-        for b in (m.tokens_per_expert, m.aux_loss_sum, m.dropped, m.calls):
+        out[3:] = torch.maximum(out[3:], torch.stack([x.max() / x.mean().clamp_min(1e-9) for x in (load, own)]))
+        m.last_step.copy_(torch.stack([load, own]))
+        for b in (m.tokens_per_expert, m.own_per_expert, m.aux_loss_sum, m.dropped, m.calls):
             b.zero_()
     return out
+
+
+def step_loads(blocks: list[MoE]) -> torch.Tensor:
+    """(layers, 2, E): each block's copies per expert in the last finished step, as
+    run and as the router itself chose (before batch balancing)."""
+    return torch.stack([m.last_step for m in blocks])
 
 
 def moe_param_count(dim: int, cfg: MoEConfig, active: bool = False) -> int:

@@ -84,7 +84,7 @@ PRESETS = {
     "6.7B": GPTConfig(n_layers=32, dim=4096, n_heads=32),
     # CI-sized mixture of experts: 8 GeLU experts of width 64, top-2, in every layer
     "gpt-moe-tiny": GPTConfig(n_layers=4, dim=64, n_heads=4, vocab_size=320, max_seq_len=256,
-                              moe=MoEConfig(n_experts=8, top_k=2, hidden=64, activation="gelu")),
+                              moe=MoEConfig(n_experts=8, top_k=2, hidden=64, activation="gelu", batch_balance=4)),
 }
 
 
