@@ -6,12 +6,17 @@ against a dense SwiGLU MLP doing the same FLOPs per token, in the same run.
     python benchmarks/bench_moe.py            # bf16, llama-moe-3B's expert shapes
     python benchmarks/bench_moe.py --smoke    # tiny CPU run: the script works, no numbers
     python benchmarks/bench_moe.py --balanced-routing   # the MoE layer's tokens assigned round-robin
+    python benchmarks/bench_moe.py --batch-balance      # only the cost of batch balancing (batch_bias)
 
 The MoE layer rows print the routing's load balance beside the time (the busiest
 expert's copies / the mean): the layer's speed depends on it (one expert with
 most tokens makes one large GEMM and idles the rest). Its input is random, which
 the router spreads evenly-ish; --balanced-routing gives every expert exactly
 k N / E copies, for speed comparisons at load max/mean 1.
+
+--batch-balance times batch_bias (the per-micro-batch balancing, 4 rounds) alone,
+eager and compiled, and one MoE layer's forward+backward with it against the
+same layer without it (its peer): what the evened loads cost in time.
 
 FLOPs: one projection of E experts with n tokens each is 2 * E * n * d * h; the
 dense peer multiplies (E n, d) by (d, h), the same count. An MoE layer (router,
@@ -28,7 +33,7 @@ import sys
 
 import torch
 
-from meshtron.models.common.moe import Experts, MoE, MoEConfig, grouped_mm
+from meshtron.models.common.moe import Experts, MoE, MoEConfig, batch_bias, grouped_mm
 
 
 def timings(fn, reps: int = 20, warmup: int = 5, inner: int = 10) -> tuple[float, float]:
@@ -116,17 +121,48 @@ def layer_row(d, h, n_experts, top_k, tokens, dtype, device, balanced=False):
     return 3 * 6 * top_k * d * h * tokens, *times, float(load)
 
 
+def balance_rows(d, h, n_experts, top_k, dtype, device, smoke):
+    """batch_bias alone (eager, compiled) and an MoE layer with and without it."""
+    print("batch_bias, 4 rounds, alone: ms wall / GPU per call (eager, torch.compile)")
+    shapes = ((8192, 16), (16384, 16), (32768, 64)) if not smoke else ((64, 4),)
+    compiled = torch.compile(batch_bias) if device == "cuda" else batch_bias
+    for n, e in shapes:
+        select = torch.randn(n, e, device=device) + torch.randn(e, device=device)   # a common part: unbalanced
+        t_eager, t_comp = (timings(lambda f=f, s=select: f(s, top_k, 4)) for f in (batch_bias, compiled))
+        print(f"{n:>8} tokens {e:>4} experts   eager {t_eager[0]:.3f} / {t_eager[1]:.3f}   "
+              f"compiled {t_comp[0]:.3f} / {t_comp[1]:.3f}")
+    print("one MoE layer forward+backward (training): batch_balance 4 against 0, ms wall / GPU")
+    for tokens in ((8192, 16384) if not smoke else (64,)):
+        x = torch.randn(1, tokens, d, dtype=dtype, device=device, requires_grad=True)
+        dy = torch.randn_like(x)
+        row = []
+        for rounds in (4, 0):
+            torch.manual_seed(0)
+            moe = MoE(d, MoEConfig(n_experts=n_experts, top_k=top_k, hidden=h, batch_balance=rounds)).to(device, dtype)
+            for p in moe.parameters():
+                torch.nn.init.normal_(p, std=0.02)
+            row.append(timings(lambda m=moe, x=x, dy=dy: torch.autograd.grad(m(x), (x, *m.parameters()), dy)))
+            row.append(float(moe.tokens_per_expert.max() / moe.tokens_per_expert.mean()))
+        (on, load_on, off, load_off) = row
+        print(f"{tokens:>8} tokens   balanced {on[0]:.3f} / {on[1]:.3f} (load {load_on:.2f})   "
+              f"router's own {off[0]:.3f} / {off[1]:.3f} (load {load_off:.2f})   "
+              f"ratio wall {on[0] / off[0]:.3f} GPU {on[1] / off[1]:.3f}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--balanced-routing", action="store_true",
                     help="the MoE layer assigns experts round-robin (load max/mean 1), not by its router")
+    ap.add_argument("--batch-balance", action="store_true", help="only the cost of batch balancing")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     d, h, E, k = (2048, 2048, 16, 2) if not args.smoke else (32, 16, 4, 2)
     print(f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'} | torch {torch.__version__} | "
           f"{dtype} | d={d} h={h}")
+    if args.batch_balance:
+        return balance_rows(d, h, E, k, dtype, device, args.smoke)
     head = (f"{'ms wall / GPU':>16} {'dense':>16} {'TFLOP/s GPU':>12} {'/dense wall':>12} {'/dense GPU':>11}")
 
     def cols(flops, t, td):

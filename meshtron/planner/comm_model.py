@@ -48,16 +48,12 @@ import dataclasses
 import functools
 import math
 
-from torch.distributed.tensor.parallel import PrepareModuleInputOutput, SequenceParallel
-
-from meshtron import models
 from meshtron.distributed.data_parallel import DTYPES
 from meshtron.distributed.fused_loss import default_chunk
 from meshtron.distributed.mesh import AXES, SUBMESHES
 from meshtron.distributed.pipeline_parallel import stage_ids_of, stage_owner
-from meshtron.distributed.tensor_parallel import matches
-from meshtron.models.common.moe import Experts
-from meshtron.planner.state import _meta_model, _param_table, coordinate
+from meshtron.planner.shards import layout_of, padded, stage_shards, tied
+from meshtron.planner.state import coordinate
 
 Key = tuple[str, str]
 
@@ -92,94 +88,10 @@ def _hsdp_labels(d: dict[str, int], replicas: int) -> tuple[str, int, str]:
     return name(shards, True, "dp_shard"), shards, name(replicas, False, "dp_replicate")
 
 
-@functools.cache
-def _layout_of(spec_name: str, cfg, tp: int, sp: bool, loss_parallel: bool):
-    """Per parameter id: (TP-local shape, is an expert weight, is a TP DTensor, is
-    split over tp, has a Partial gradient under SP), and every name of it."""
-    spec, model = models.MODELS[spec_name], _meta_model(spec_name, cfg)
-    table = _param_table(spec_name, cfg, tp, sp, loss_parallel)
-    modules = dict(model.named_modules())
-    moe = any(isinstance(m, Experts) for m in modules.values())
-    plan = spec.tp_plan(model, sp, loss_parallel, moe) if tp > 1 else {}
-    styles = {}
-    for pattern, style in plan.items():
-        for n in modules:
-            if matches(pattern, n):
-                styles[n] = style
-    whole = [n for n, s in styles.items() if isinstance(s, PrepareModuleInputOutput)]   # MoE blocks stay local
-    params, names = {}, collections.defaultdict(list)
-    whole_shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
-    for name, (pid, shape, expert) in table.items():
-        mname = name.rpartition(".")[0]
-        full = whole_shapes[name]
-        local = any(mname == w or mname.startswith(w + ".") for w in whole)
-        style = styles.get(mname)
-        partial = sp and isinstance(style, SequenceParallel)
-        params[pid] = (shape, expert, tp > 1 and not local and not expert, shape != full, partial)
-        names[pid].append(name)
-    return params, dict(names)
-
-
-@functools.cache
-def _units(spec_name: str, cfg, tp: int, sp: bool, loss_parallel: bool, n_stages: int, stage: int):
-    """A stage's FSDP units, [(kind, [parameter ids])] with kind "block", "experts"
-    (an MoE block's) or "root" (the rest of the stage), and its block names."""
-    spec = models.MODELS[spec_name]
-    params, names = _layout_of(spec_name, cfg, tp, sp, loss_parallel)
-    held = spec.pipeline_split(cfg, n_stages)[stage]
-    blocks = [n for n in held if n.startswith("layers.")]   # the split names the blocks FSDP wraps one by one
-    units = {b: [] for b in blocks} | {b + ".experts": [] for b in blocks} | {"": []}
-    for pid, ns in names.items():
-        for n in ns:
-            owner = next((h for h in held if n.startswith(h + ".")), None)
-            if owner is None:
-                continue
-            unit = owner + ".experts" if owner in blocks and params[pid][1] else (owner if owner in blocks else "")
-            if pid not in units[unit]:
-                units[unit].append(pid)
-    out = [("experts" if u.endswith(".experts") else "block" if u else "root", ids) for u, ids in units.items() if ids]
-    return out, blocks
-
-
 def _loss_chunks(tokens: int, width: int) -> list[tuple[int, int]]:
     """(chunk size, how many) of the fused loss' token chunks (distributed.fused_loss)."""
     chunk = default_chunk(width)
     return [(chunk, tokens // chunk), (tokens % chunk, 1)]
-
-
-def _padded(shape, k: int) -> int:
-    """Elements of FSDP's shard of a parameter: dim 0 padded to a multiple of the k shards."""
-    return -(-shape[0] // k) * math.prod(shape[1:])
-
-
-@functools.cache
-def _stage(spec_name: str, cfg, tp: int, sp: bool, loss_parallel: bool, n_stages: int, stage: int, ep: int,
-           k_dense: int, k_expert: int):
-    """A stage's FSDP units as {(kind, shard elements): how many}, the sizes of its
-    parameters with Partial gradients, its parameters' kinds for the gradient norm
-    (expert, TP DTensor, split over tp), its number of blocks."""
-    params, _ = _layout_of(spec_name, cfg, tp, sp, loss_parallel)
-    units, blocks = _units(spec_name, cfg, tp, sp, loss_parallel, n_stages, stage)
-    sizes, partial, kinds = collections.Counter(), [], set()
-    for kind, ids in units:
-        numel = 0
-        for p in ids:
-            shape, expert, tp_dtensor, tp_split, has_partial = params[p]
-            numel += _padded((shape[0] // ep,) + shape[1:], k_expert) if expert else _padded(shape, k_dense)
-            if has_partial:
-                partial.append(math.prod(shape))
-            kinds.add((expert, tp_dtensor, tp_split))
-        sizes[(kind, numel)] += 1
-    return dict(sizes), tuple(partial), frozenset(kinds), len(blocks)
-
-
-@functools.cache
-def _tied(spec_name: str, cfg, tp: int, sp: bool, loss_parallel: bool, n_stages: int) -> list[tuple[int, set[int]]]:
-    """[(parameter id, the stages holding a copy)] of the weights with several names."""
-    split = models.MODELS[spec_name].pipeline_split(cfg, n_stages)
-    _, names = _layout_of(spec_name, cfg, tp, sp, loss_parallel)
-    return [(pid, {s for s, held in enumerate(split) for n in ns if any(n.startswith(h + ".") for h in held)})
-            for pid, ns in names.items() if len(ns) > 1]
 
 
 @dataclasses.dataclass
@@ -248,8 +160,8 @@ def _step(spec, cfg, par, micro_batch: int, microbatches: int, seq_len: int, ran
     pp, n_stages = d["pp"], d["pp"] * par.pp_virtual
     pp_rank = coordinate(rank, d)["pp"]
     stages = stage_ids_of(pp_rank, pp, par.pp_virtual, par.pp_schedule) if pp > 1 else [0]
-    summaries = [_stage(spec.name, cfg, d["tp"], par.sp, par.loss_parallel, n_stages, s, d["ep"], k_dense, k_expert)
-                 for s in stages]
+    summaries = [stage_shards(spec.name, cfg, d["tp"], par.sp, par.loss_parallel, n_stages, s, d["ep"],
+                              k_dense, k_expert) for s in stages]
     # selective saves all-reduces and reduce-scatters; full recomputes the attention's, not
     # the block's last (torch's checkpoint stops once backward has what it needs)
     return _Step(spec.name, cfg, par, d, pp_rank, microbatches, micro_batch, seq_len, a, _size(par.reduce_dtype),
@@ -391,12 +303,12 @@ def _pipeline(t: _Tally, s: _Step) -> None:
             if 0 <= peer < s.n_stages and owner(peer) != s.pp_rank:
                 t.add("send", "pp", hop, m, part="pp")
                 t.add("recv", "pp", hop, m, part="pp")
-    params, _ = _layout_of(s.spec_name, s.cfg, d["tp"], par.sp, par.loss_parallel)
-    for pid, held in _tied(s.spec_name, s.cfg, d["tp"], par.sp, par.loss_parallel, s.n_stages):
+    params, _ = layout_of(s.spec_name, s.cfg, d["tp"], par.sp, par.loss_parallel)
+    for pid, held in tied(s.spec_name, s.cfg, d["tp"], par.sp, par.loss_parallel, s.n_stages):
         holders = {owner(st) for st in held}   # a tied weight's copies on two pp ranks swap gradients
         if len(holders) > 1 and s.pp_rank in holders:
             shape = params[pid][0]
-            numel = _padded(shape, s.k_dense) if s.fsdp else math.prod(shape)
+            numel = padded(shape, s.k_dense) if s.fsdp else math.prod(shape)
             t.add("send", "pp", numel * 4, part="pp")
             t.add("recv", "pp", numel * 4, part="pp")
     t.add("all_reduce", "pp", 4, 2, "pp")    # the loss' sum over stages, the squared norm's

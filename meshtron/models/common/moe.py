@@ -148,9 +148,9 @@ def batch_bias(select: torch.Tensor, k: int, rounds: int) -> torch.Tensor:
         top = s.topk(k + 1, dim=-1).values                      # (N, k+1)
         chosen = s >= top[:, k - 1:k]
         cutoff = torch.where(chosen, top[:, k:], top[:, k - 1:k])
-        above = (s - cutoff).T.sort(dim=1, descending=True).values   # (E, N)
-        move = (above[:, target - 1] + above[:, target]) / 2
-        bias -= (1.0 if r == 0 else 0.7) * torch.where(move.isfinite(), move, 0.0)   # one masked off (-inf) stays off
+        ranked = (s - cutoff).topk(target + 1, dim=0).values          # (target + 1, E), descending
+        move = torch.lerp(ranked[-2], ranked[-1], 0.5).nan_to_num(0.0, 0.0, 0.0)   # one masked off (-inf) stays off
+        bias -= (1.0 if r == 0 else 0.7) * move
     return bias
 
 
