@@ -42,6 +42,8 @@ CASES = {  # (world, argv, message) -- issue 11, points 4, 5, 7, 8
     "ep without experts": (2, ["--ep", "2"], "ep=2 needs a mixture-of-experts model whose expert count it divides "
                                              "(this model has 0 experts)"),
     "moe option on a dense model": (1, ["--moe-capacity", "1.0"], "--moe-capacity applies to mixture-of-experts"),
+    "negative batch balance": (1, ["--model", "llama-moe-tiny", "--moe-batch-balance", "-1"],
+                               "--moe-batch-balance is a number of rounds (0: off), not -1"),
     "sp without tp": (1, ["--sp"], "--sp (sequence parallelism) shards the sequence over tp ranks: it needs --tp > 1"),
     "steps 0": (1, ["--steps", "0"], "--steps must be at least 1, not 0"),
     "steps -5": (1, ["--steps", "-5"], "--steps must be at least 1, not -5"),

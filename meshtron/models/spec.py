@@ -65,4 +65,6 @@ def moe_overrides(preset, options) -> dict:
     if getattr(preset, "moe", None) is None:
         raise ConfigError(f"--moe-{next(iter(given)).replace('_', '-')} applies to mixture-of-experts models "
                           "(e.g. --model llama-moe-tiny)")
+    if given.get("batch_balance", 0) < 0:
+        raise ConfigError(f"--moe-batch-balance is a number of rounds (0: off), not {given['batch_balance']}")
     return {"moe": replace(preset.moe, **given)}
