@@ -261,7 +261,8 @@ class MoE(nn.Module):
         x = h.reshape(-1, dim)
         weights, experts, scores, own = self.router(x, self.step_sum if self.training else None)
         # one sum over the ranks: [tokens per expert, the router's own choice's, tokens, scores per expert]
-        local = torch.cat([expert_counts(experts, E).float(), expert_counts(own, E).float(),
+        run = expert_counts(experts, E).float()
+        local = torch.cat([run, run if own is experts else expert_counts(own, E).float(),
                            x.new_full((1,), x.shape[0], dtype=torch.float32), scores.sum(0)])
         counts, own_counts, n_tokens, score_sums = self.step_sum(local).split([E, E, 1, E])
         capacity = self.cfg.capacity if self.training else 0.0   # evaluation and generation keep every token
