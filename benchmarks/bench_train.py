@@ -28,6 +28,7 @@ here by --summarize.
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import os
@@ -68,6 +69,7 @@ LAYOUTS = {  # name: (GPUs, recipe flags); bf16 compute, fp32 master weights and
     "pp4": (4, ["--pp", "4", "--microbatches", "8"]),
     "dp2pp2": (4, ["--dp", "2", "--pp", "2", "--microbatches", "8"]),
     "pp2tp2": (4, ["--pp", "2", "--tp", "2", "--sp", "--microbatches", "8"]),
+    "pp2tp2_nosp": (4, ["--pp", "2", "--tp", "2", "--microbatches", "8"]),
     "cp2": (2, ["--cp", "2"]),                           # context parallelism: sequences over cp
     "cp4": (4, ["--cp", "4"]),
     "cp4_allgather": (4, ["--cp", "4", "--cp-comm", "allgather"]),
@@ -367,11 +369,32 @@ def profile(step, n: int, device, path: str) -> dict:
         (comm if kind == "nccl" or peer_copy else compute).append(span)
     busy, comm_total = _length(_union(comm + compute)), _length(_union(comm))
     exposed = comm_total - _length(_intersect(_union(comm), _union(compute)))
+    gaps = _gaps(_union(comm + compute), kernels, n)
     with open(path, "w") as f:
         f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
+        # host time: a step bound by its CPU, or by the CPU waiting for the GPU (synchronizations), shows here
+        f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
+        f.write("\nGPU idle gaps over 0.5 ms, per step: " + gaps)
     return {"wall_ms": wall, "gpu_busy_ms": busy / 1e3 / n, "compute_busy_ms": _length(_union(compute)) / 1e3 / n,
             "comm_ms": comm_total / 1e3 / n,
             "exposed_comm_ms": exposed / 1e3 / n, **{f"{k}_ms": v for k, v in by_kind.items()}}
+
+
+def _gaps(busy: list, kernels: list, n: int) -> str:
+    """The GPU's idle gaps over 0.5 ms: their count and time per step, and the
+    kernels most often found right after one (what the GPU waited for)."""
+    starts = sorted((e.time_range.start, e.name[:60]) for e in kernels)
+    gaps = [(busy[i + 1][0] - busy[i][1], busy[i + 1][0]) for i in range(len(busy) - 1)
+            if busy[i + 1][0] - busy[i][1] > 500]
+    after = collections.Counter()
+    j = 0
+    for _, t in sorted(gaps, key=lambda g: g[1]):
+        while j < len(starts) and starts[j][0] < t:
+            j += 1
+        if j < len(starts):
+            after[starts[j][1]] += 1
+    return (f"{len(gaps) / n:.1f} gaps, {sum(g for g, _ in gaps) / 1e3 / n:.1f} ms; next kernel: "
+            + "; ".join(f"{k} x{v}" for k, v in after.most_common(6)))
 
 
 def _union(spans: list) -> list:
