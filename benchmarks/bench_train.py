@@ -70,6 +70,7 @@ LAYOUTS = {  # name: (GPUs, recipe flags); bf16 compute, fp32 master weights and
     "dp2pp2": (4, ["--dp", "2", "--pp", "2", "--microbatches", "8"]),
     "pp2tp2": (4, ["--pp", "2", "--tp", "2", "--sp", "--microbatches", "8"]),
     "pp2tp2_nosp": (4, ["--pp", "2", "--tp", "2", "--microbatches", "8"]),
+    "pp2tp2_m4": (4, ["--pp", "2", "--tp", "2", "--sp", "--microbatches", "4"]),
     "cp2": (2, ["--cp", "2"]),                           # context parallelism: sequences over cp
     "cp4": (4, ["--cp", "4"]),
     "cp4_allgather": (4, ["--cp", "4", "--cp-comm", "allgather"]),
@@ -140,10 +141,18 @@ def _expandable():
     return [(None, "expandable", lambda: torch.cuda.memory._set_allocator_settings("expandable_segments:False"))]
 
 
+def _dtensor_tp():
+    """The Llama's TP blocks through the DTensor styles (before local_tensor_parallel)."""
+    from meshtron.models.llama import parallelize as llama
+    plan = llama.tp_plan
+    return [(llama, "tp_plan", lambda model, sp, lp, moe=False, local=False: plan(model, sp, lp, moe, False))]
+
+
 # per-layout options, `layout+option+...`: (module, name, value) patches for the build, undone after
 OPTIONS = {
     "whole": _compile_whole,
     "expandable": _expandable,   # the allocator's expandable segments from this layout's build on
+    "dtensor": _dtensor_tp,      # TP blocks on DTensors, the path local tensors replaced
     "cudnn": lambda: [], "flash": lambda: [],   # the SDPA backend tried first around each step
 }
 

@@ -129,10 +129,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
+        return self.norm(x, self.weight)
+
+    def norm(self, x, weight):
+        """The computation, for a layout that hands in another view of the weight (its local shard)."""
         if self.fused and x.is_cuda:
             from meshtron.kernels_triton import rms_norm
-            return rms_norm(x, self.weight, self.eps)
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+            return rms_norm(x, weight, self.eps)
+        return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
 
 
 class CoreAttention(nn.Module):

@@ -11,6 +11,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from meshtron.config import ParallelConfig
 from meshtron.distributed import async_tp, expert_parallel
 from meshtron.distributed.context_parallel import apply_cp
+from meshtron.distributed.local_tensor_parallel import GatherInput, LocalColwise, LocalNorm, LocalRowwise
 from meshtron.distributed.mesh import degree
 from meshtron.distributed.parallelize import apply_compile, apply_dp, apply_fp8, compile_options, fp8_tp_plan
 from meshtron.distributed.pipeline_parallel import split_layers
@@ -38,9 +39,12 @@ def check_layout(cfg, degrees: dict[str, int], parallel: ParallelConfig, seq_len
                                                         "the vocabulary size": cfg.vocab_size})
 
 
-def tp_plan(model: nn.Module, sp: bool, loss_parallel: bool, moe: bool = False) -> dict:
+def tp_plan(model: nn.Module, sp: bool, loss_parallel: bool, moe: bool = False, local: bool = False) -> dict:
     """Megatron's plan on torchtitan's module names: wq, wk, wv and w1, w3
-    column-parallel (whole heads of q and of k/v per rank), wo and w2 row-parallel."""
+    column-parallel (whole heads of q and of k/v per rank), wo and w2 row-parallel.
+    `local` (dense blocks only): the blocks compute on local tensors
+    (local_tensor_parallel.py); the embedding, the final norm and the head keep the
+    DTensor styles, whose outputs the pipeline and the losses take."""
     seq = Shard(1) if sp else Replicate()
     norm = SequenceParallel() if sp else ReplicateParallel()
     plan = {
@@ -62,6 +66,13 @@ def tp_plan(model: nn.Module, sp: bool, loss_parallel: bool, moe: bool = False) 
     }
     if moe:   # mixture-of-experts blocks stay whole on each tp rank
         plan["layers.*.feed_forward"] = expert_parallel.tp_style(sp)
+    elif local:   # the same placements, the blocks computed on local tensors (local_tensor_parallel.py)
+        plan |= {"layers.*.attention_norm": LocalNorm(sp), "layers.*.attention": GatherInput(sp),
+                 "layers.*.attention.wq": LocalColwise(), "layers.*.attention.wk": LocalColwise(),
+                 "layers.*.attention.wv": LocalColwise(), "layers.*.attention.wo": LocalRowwise(sp),
+                 "layers.*.ffn_norm": LocalNorm(sp), "layers.*.feed_forward": GatherInput(sp),
+                 "layers.*.feed_forward.w1": LocalColwise(), "layers.*.feed_forward.w3": LocalColwise(),
+                 "layers.*.feed_forward.w2": LocalRowwise(sp)}
     present = {n for n, m in model.named_modules() if m is not None}
     return {k: v for k, v in plan.items() if any(matches(k, n) for n in present)}
 
@@ -80,7 +91,10 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConf
         expert_parallel.apply_moe(moe, mesh)
     if degree(mesh, "tp") > 1:
         tp_mesh = tp_mesh_of(mesh)
-        plan = fp8_tp_plan(tp_plan(model, parallel.sp, parallel.loss_parallel, bool(moe)), model, mesh, parallel)
+        # FP8's and async TP's styles, and the MoE blocks' routing, work on DTensors: those keep DTensor blocks
+        local = parallel.fp8 == "none" and not parallel.async_tp and not moe
+        plan = fp8_tp_plan(tp_plan(model, parallel.sp, parallel.loss_parallel, bool(moe), local), model, mesh,
+                           parallel)
         parallelize_module(model, tp_mesh, async_tp.apply(plan, tp_mesh, parallel), leave=moe)
         if parallel.sp:
             cast_output_to_autocast_dtype([m for n, m in model.named_modules()

@@ -1,0 +1,183 @@
+"""Tensor and sequence parallelism computed on local tensors (Megatron's way).
+
+The parameters are placed as under the DTensor styles (tensor_parallel.py):
+column-parallel weights Shard(0), row-parallel Shard(1), norms Replicate(), so
+FSDP, the optimizer, clipping, checkpoints and the planner see the same model.
+Only the forward differs: each parameter is read once per call as its local
+shard (`to_local`, naming the placement its gradient comes back in), matmuls
+and norms run on plain tensors, and the communication is Megatron's four
+conjugate operators on the tp group:
+
+  gather_seq      all-gather over the sequence; reduce-scatter back   (SP, before column-parallel)
+  copy_to_tp      identity; all-reduce back                           (no SP, before column-parallel)
+  scatter_seq     reduce-scatter over the sequence; all-gather back   (SP, after row-parallel)
+  reduce_from_tp  all-reduce; identity back                           (no SP, after row-parallel)
+
+Under SP a norm's weight gradient is a partial sum (each rank saw 1/tp of the
+tokens) and is reduced once per step, as under the DTensor styles. Same
+collectives, same bytes (the dry run and a test count them).
+
+Why: every DTensor op costs tens of microseconds of host Python; a Llama block
+under the DTensor styles issues over a hundred of them per micro-batch, forward
+and backward. At the small micro-batches that pipelines cut a batch into, that
+host time exceeds the block's GPU time (benchmarks/RESULTS.md, "TP on the
+host"). Here a block costs a few dozen plain calls.
+
+A module takes these styles only where its forward is known: nn.Linear, and a
+norm exposing `norm(x, weight)` (the Llama's RMSNorm).
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+
+def _group(mesh: DeviceMesh) -> str:
+    return mesh.get_group().group_name
+
+
+class _AllReduce(torch.autograd.Function):
+    """Sum over the group; the gradient passes through (reduce_from_tp)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return funcol.wait_tensor(funcol.all_reduce(x, "sum", group))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _AllReduceBackward(torch.autograd.Function):
+    """Identity; the gradient is summed over the group (copy_to_tp)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", ctx.group)), None
+
+
+def gather_seq(x: torch.Tensor, group: str) -> torch.Tensor:
+    """(B, T/tp, ...) -> (B, T, ...); the backward reduce-scatters."""
+    return funcol.all_gather_tensor_autograd(x.contiguous(), gather_dim=1, group=group)
+
+
+def scatter_seq(x: torch.Tensor, group: str) -> torch.Tensor:
+    """(B, T, ...) partial sums -> (B, T/tp, ...) summed; the backward all-gathers."""
+    return funcol.reduce_scatter_tensor_autograd(x.contiguous(), "sum", scatter_dim=1, group=group)
+
+
+def _local(p: torch.Tensor | None) -> torch.Tensor | None:
+    """A parameter's local shard, its gradient returning in the parameter's placements."""
+    if p is None or not isinstance(p, DTensor):
+        return p
+    return p.to_local(grad_placements=p.placements)
+
+
+def _replicated(p: torch.Tensor | None, partial: bool) -> torch.Tensor | None:
+    """A Replicate() parameter's local copy. `partial`: its input held 1/tp of the
+    tokens, so each rank's gradient is a partial sum; it returns Partial, and
+    reduce_partial_grads (or FSDP) sums all of them in one bucket per step, as for the
+    DTensor styles' norms."""
+    if not partial or p is None or not isinstance(p, DTensor):
+        return _local(p)
+    return p.to_local(grad_placements=[Partial() if pl.is_replicate() else pl for pl in p.placements])
+
+
+def _distribute(module: nn.Module, mesh: DeviceMesh, placements: dict) -> None:
+    for name, placement in placements.items():
+        p = getattr(module, name, None)
+        if p is not None and not isinstance(p, DTensor):
+            module.register_parameter(name, nn.Parameter(
+                distribute_tensor(p, mesh, [placement], src_data_rank=None), p.requires_grad))
+
+
+def _check_linear(style, module: nn.Module) -> None:
+    if type(module) is not nn.Linear:
+        raise ValueError(f"{type(style).__name__} computes nn.Linear only, not {type(module).__name__}")
+
+
+class LocalColwise(ColwiseParallel):
+    """Column-parallel nn.Linear: the whole input as a local tensor in, this rank's
+    output columns out. The input's gradient is partial over tp; GatherInput on the
+    enclosing module sums it (once for every linear that shares the input)."""
+
+    def __init__(self):
+        super().__init__()
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        _check_linear(self, module)
+        _distribute(module, mesh, {"weight": Shard(0), "bias": Shard(0)})
+
+        def forward(mod, x):
+            return F.linear(x, _local(mod.weight), _local(mod.bias))
+        module.forward = types.MethodType(forward, module)
+        return module
+
+
+class LocalRowwise(RowwiseParallel):
+    """Row-parallel nn.Linear: this rank's input columns in, the summed output out,
+    reduce-scattered over the sequence under SP, else all-reduced."""
+
+    def __init__(self, sp: bool):
+        super().__init__()
+        self.sp = sp
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        _check_linear(self, module)
+        _distribute(module, mesh, {"weight": Shard(1), "bias": Replicate()})
+        group, sp = _group(mesh), self.sp
+
+        def forward(mod, x):
+            y = F.linear(x, _local(mod.weight))
+            y = scatter_seq(y, group) if sp else _AllReduce.apply(y, group)
+            return y if mod.bias is None else y + _replicated(mod.bias, sp)
+        module.forward = types.MethodType(forward, module)
+        return module
+
+
+class LocalNorm(ParallelStyle):
+    """A norm on this rank's activations (its 1/tp of the sequence under SP), weights
+    Replicate(); their gradients are summed over tp under SP."""
+
+    def __init__(self, sp: bool):
+        self.sp = sp
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        if not callable(getattr(module, "norm", None)):
+            raise ValueError(f"LocalNorm needs a norm with a norm(x, weight) method, not {type(module).__name__}")
+        _distribute(module, mesh, {"weight": Replicate()})
+        sp = self.sp
+
+        def forward(mod, x):
+            return mod.norm(x, _replicated(mod.weight, sp))
+        module.forward = types.MethodType(forward, module)
+        return module
+
+
+class GatherInput(ParallelStyle):
+    """On a module whose column-parallel linears share its first input: all-gather
+    that input over the sequence (SP), or only sum its gradient over tp (no SP)."""
+
+    def __init__(self, sp: bool):
+        self.sp = sp
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        group, sp = _group(mesh), self.sp
+
+        def pre(mod, args):
+            x = gather_seq(args[0], group) if sp else _AllReduceBackward.apply(args[0], group)
+            return (x, *args[1:])
+        module.register_forward_pre_hook(pre)
+        return module

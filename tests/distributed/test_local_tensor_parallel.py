@@ -1,0 +1,96 @@
+"""The Llama's blocks under tensor parallelism on local tensors
+(meshtron.distributed.local_tensor_parallel): the same numbers as one process
+under every TP layout, the same collectives as the DTensor styles, and a
+fraction of their host calls (what made small micro-batches, and so pipelines
+combined with TP, host-bound on the GPU)."""
+import collections
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from meshtron import ParallelConfig, models
+from meshtron.distributed.collectives import CollectiveCounter
+from meshtron.distributed.local_tensor_parallel import LocalColwise
+from meshtron.distributed.tensor_parallel import parallelize_module
+from meshtron.models.llama.parallelize import tp_plan
+from meshtron.train.loss import loss_function
+from meshtron.train.step import forward_backward
+
+from harness import mesh
+from parity import assert_parity, fb_kwargs, layout, perturbed_builder, pipelined, run_parity, tiny_batches
+
+SPEC, CFG = models.get("llama-tiny")
+
+
+def _local_parity(rank, world, degrees, sp, pp):
+    m = mesh(**degrees)
+    pcfg = ParallelConfig(sp=sp, loss_parallel=True, zero=3)
+    apply = pipelined(pcfg, SPEC, CFG) if pp else layout(pcfg, SPEC)
+    used = []
+
+    def parallelize(model, me):
+        out = apply(model, me)
+        parts = out.parts if pp else [out]
+        used.append(all(isinstance(b.attention.wq.forward.__self__, torch.nn.Linear)
+                        and "LocalColwise" in b.attention.wq.forward.__func__.__qualname__
+                        for p in parts for b in p.layers.values()))
+        return out
+    report = run_parity(m, perturbed_builder(lambda: SPEC.model_cls(CFG, seed=0)), parallelize,
+                        tiny_batches(CFG.vocab_size, steps=3, batch=8, seq=16), micro_batches=1 if pp else 2,
+                        max_norm=0.5, fb_kwargs=fb_kwargs(m, pcfg))
+    return report, used
+
+
+@pytest.mark.parametrize("world,degrees,sp,pp", [
+    (2, dict(tp=2), False, False), (2, dict(tp=2), True, False), (4, dict(tp=4), True, False),
+    (4, dict(dp=2, tp=2), True, False), (4, dict(pp=2, tp=2), True, True), (4, dict(pp=2, tp=2), False, True)],
+    ids=["tp2", "tp2-sp", "tp4-sp", "dp2xtp2-sp-zero3", "pp2xtp2-sp", "pp2xtp2"])
+def test_local_blocks_match_one_process(pools, world, degrees, sp, pp):
+    results = pools.run(world, _local_parity, degrees, sp, pp)
+    assert all(used == [True] for _, used in results), "the dense Llama did not take the local-tensor blocks"
+    assert_parity([r for r, _ in results], tol=1e-5)
+
+
+class _DTensorCalls(TorchDispatchMode):
+    """Ops dispatched with a DTensor among their arguments (each one a trip through
+    DTensor's sharding propagation on the host)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += any(issubclass(t, DTensor) for t in types)
+        return func(*args, **(kwargs or {}))
+
+
+def _step_cost(rank, world, sp, local):
+    """One forward and backward of the TP-only Llama: its DTensor calls and its collectives."""
+    m = mesh(tp=world)
+    model = SPEC.model_cls(CFG, seed=0)
+    parallelize_module(model, m, tp_plan(model, sp, True, local=local))
+    (x, y), = tiny_batches(CFG.vocab_size, steps=1, batch=4, seq=16)
+    loss_fn = loss_function(torch.device("cpu"), True)
+    forward_backward([model], x, y, m, loss_fn=loss_fn)    # warm DTensor's caches
+    with CollectiveCounter(m) as comm, _DTensorCalls() as calls:
+        forward_backward([model], x, y, m, loss_fn=loss_fn)
+    return calls.n, dict(comm.calls), dict(comm.bytes)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["nosp", "sp"])
+def test_local_blocks_move_the_same_bytes_with_a_fraction_of_the_host_calls(pools, sp):
+    (stock, stock_calls, stock_bytes), _ = pools.run(2, _step_cost, sp, False)
+    (local, local_calls, local_bytes), _ = pools.run(2, _step_cost, sp, True)
+    assert local_calls == stock_calls and local_bytes == stock_bytes, (local_calls, stock_calls)
+    # what is left are the embedding, the final norm, the head and the loss, which keep DTensor styles
+    per_block_stock, per_block_local = stock / CFG.n_layers, local / CFG.n_layers
+    assert local < stock / 3, (local, stock)
+    print(f"\nDTensor calls per step, {CFG.n_layers} blocks: {stock} (DTensor styles) -> {local} (local); "
+          f"per block at most {per_block_stock:.0f} -> {per_block_local:.0f}", end="")
+
+
+def test_local_colwise_refuses_other_modules():
+    with pytest.raises(ValueError, match="nn.Linear only"):
+        LocalColwise()._apply(torch.nn.Embedding(4, 4), None)
