@@ -10,7 +10,7 @@
 # Run on the GPU machine (device call with carry [".peer"]):
 #   OUT=$OUT bash benchmarks/vs_torchtitan.sh 1gpu 1gpu_compile fsdp4 fsdp4_compile tp2dp2 tp2dp2_compile tp4 tp4_compile
 # Env: MODEL=llama-1B (meshtron preset) TT_CONFIG=benchmarks/torchtitan/llama_1b.toml MB=16 (sequences a replica)
-#      SEQ=2048 STEPS=20 (torchtitan; its tokens/s are the last LOG_FREQ=5 steps) T=300 (timeout per run)
+#      SEQ=2048 STEPS=20 (torchtitan; its tokens/s: the median of its LOG_FREQ=5-step windows after the first) T=300 (timeout per run)
 #      ONLY=meshtron|torchtitan (one side only)
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -76,12 +76,18 @@ if [ "${ONLY:-}" != "meshtron" ]; then
     $PY - "$V" "$N" "$LOG" >> "$OUT/torchtitan.jsonl" <<'PYEOF'
 import json, re, sys
 layout, world, log = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-line = [l for l in open(log) if re.search(r"step: *\d+ +loss", l)][-1:]
-def num(key):
-    m = re.search(key + r":\s*([\d,.]+)", line[0]) if line else None
+import statistics
+lines = [l for l in open(log) if re.search(r"step: *\d+ +loss", l)]
+def num(key, l):
+    m = re.search(key + r":\s*([\d,.]+)", l)
     return float(m.group(1).replace(",", "")) if m else None
-print(json.dumps(dict(layout=layout, world=world, tokens_per_s_per_gpu=num("tps"), peak_mem_gib=num("memory"),
-                      tflops_per_gpu=num("tflops"), mfu=(num("mfu") or 0) / 100, line=line[0].strip() if line else "")))
+# every window after the first (which holds compilation): TP windows swing 20%, so the median of them
+windows = [num("tps", l) for l in lines[1:]] or [None]
+last = lines[-1] if lines else ""
+print(json.dumps(dict(layout=layout, world=world,
+                      tokens_per_s_per_gpu=statistics.median(windows) if windows[0] else num("tps", last),
+                      tps_windows=windows, peak_mem_gib=num("memory", last), tflops_per_gpu=num("tflops", last),
+                      mfu=(num("mfu", last) or 0) / 100, line=last.strip())))
 PYEOF
   done
 fi
