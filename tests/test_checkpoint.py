@@ -268,3 +268,56 @@ def test_a_checkpoint_problem_one_stage_finds_stops_every_rank(pools, tmp_path):
     argv = COMMON + LAYOUTS["pp2"][1] + ["--checkpoint-dir", str(tmp_path), "--resume", "auto"]
     assert pools.run(2, _one_stage_misses_a_tensor, argv, timeout=60) == [
         f"checkpoint {tmp_path}/step-00000003 has no tensor 'model.output.weight'"] * 2
+
+
+def _files(root) -> dict:
+    """Every file under root and its bytes."""
+    out = {}
+    for d, _, names in os.walk(root):
+        for n in names:
+            with open(os.path.join(d, n), "rb") as f:
+                out[os.path.relpath(os.path.join(d, n), root)] = f.read()
+    return out
+
+
+def _recipe(*args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "train.py"), *args], capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def test_another_models_checkpoints_are_refused_and_left_byte_identical(tmp_path):
+    # issue 36, point 2: a llama-tiny directory, then the tiny GPT pointed at it
+    ck = str(tmp_path / "ck")
+    llama = ["--model", "llama-tiny", "--steps", "2", "--seq-len", "32", "--global-batch", "4", "--micro-batch", "4",
+             "--log-interval", "1", "--checkpoint-dir", ck, "--checkpoint-interval", "1", "--resume", "auto"]
+    first = _recipe(*llama)
+    assert first.returncode == 0, first.stderr
+    assert f"--resume auto: no checkpoint to resume in {ck}; starting from step 0" in first.stdout
+    before = _files(ck)
+    assert sorted(n.split("/")[0] for n in before if n.endswith("meshtron.json")) == ["step-00000001", "step-00000002"]
+    gpt = ["--model", "tiny", "--steps", "4", "--seq-len", "32", "--global-batch", "4", "--micro-batch", "4",
+           "--checkpoint-dir", ck, "--keep-checkpoints", "1", "--checkpoint-interval", "1"]
+    for resume in ("auto", os.path.join(ck, "step-00000002")):
+        out = _recipe(*gpt, "--resume", resume)
+        assert out.returncode == 1 and out.stdout == "", (out.stdout, out.stderr)
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: checkpoint {ck}/step-00000002 is for another model: "
+                                                       "n_heads=8 there, 4 here"), out.stderr
+        assert lines[0].endswith("(it holds llama-tiny, this run trains tiny); nothing was written"), lines[0]
+        assert _files(ck) == before
+
+
+def _save_another_model_beside(rank, world, root):
+    """A GPT checkpoint saved with keep=1 into a directory holding two Llama checkpoints."""
+    cfg = gpt_config("tiny", n_layers=2)
+    model = GPT(cfg, seed=0)
+    opt = torch.optim.AdamW(model.parameters())
+    checkpoint.save(root, 3, [model], opt, config=cfg, keep=1, model="gpt", preset="tiny")
+    checkpoint.save(root, 4, [model], opt, config=cfg, keep=1, model="gpt", preset="tiny")
+    return sorted(os.path.basename(p) for p in checkpoint.list_checkpoints(root))
+
+
+def test_retention_removes_only_checkpoints_of_its_own_model(pools, tmp_path):
+    ck = str(tmp_path)
+    run(pools, "single", "--checkpoint-dir", ck, "--checkpoint-interval", "1", exit_after=2)
+    assert pools.run(1, _save_another_model_beside, ck)[0] == ["step-00000001", "step-00000002", "step-00000004"]

@@ -43,6 +43,11 @@ class CheckpointError(ValueError):
     pass
 
 
+class ModelMismatch(CheckpointError):
+    """A sound checkpoint of another model: refused, never skipped (resuming past it
+    would train this model into that model's directory)."""
+
+
 STALE = "stale-"   # prefix of checkpoints set aside: never resumed, never pruned
 
 
@@ -111,8 +116,12 @@ def _rng_state() -> dict:
 
 
 def save(root: str, step: int, parts, optimizer, scheduler=None, loader=None, *, config=None, layout=None,
-         keep: int = 3, names: dict[int, str] | None = None, model: str | None = None) -> str:
-    """Write root/step-<step> from every rank; returns its path."""
+         keep: int = 3, names: dict[int, str] | None = None, model: str | None = None,
+         preset: str | None = None) -> str:
+    """Write root/step-<step> from every rank; returns its path. `model`: the family
+    (meshtron.models' registry key), `preset`: the name the run gave (--model). Of the
+    older checkpoints, only those of this model config count towards `keep`, and only
+    those are removed."""
     final = os.path.join(root, f"step-{step:08d}")
     tmp = os.path.join(root, f".tmp-step-{step:08d}")
     if os.path.exists(final):
@@ -129,14 +138,15 @@ def save(root: str, step: int, parts, optimizer, scheduler=None, loader=None, *,
     if _rank() == 0:
         files = {os.path.basename(f): {"size": os.path.getsize(f), "crc32": _crc32(f)}
                  for f in sorted(glob.glob(os.path.join(tmp, "*"))) + sorted(glob.glob(os.path.join(tmp, ".metadata")))}
-        meta = {"step": step, "model": model, "config": _jsonable(config), "layout": _jsonable(layout),
-                "files": files}
+        meta = {"step": step, "model": model, "preset": preset, "config": _jsonable(config),
+                "layout": _jsonable(layout), "files": files}
         with open(os.path.join(tmp, "meshtron.json"), "w") as f:
             json.dump(meta, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
         os.rename(tmp, final)                    # atomic: the checkpoint exists whole or not at all
-        for old in list_checkpoints(root)[:-keep]:   # renamed first: a killed prune leaves no partial step-N
+        ours = [c for c in list_checkpoints(root) if config is not None and _config_diff(_read_meta(c), config) == {}]
+        for old in ours[:-keep]:   # renamed first: a killed prune leaves no partial step-N
             doomed = os.path.join(root, ".tmp-pruned-" + os.path.basename(old))
             os.rename(old, doomed)
             shutil.rmtree(doomed, ignore_errors=True)
@@ -167,14 +177,17 @@ def latest(root: str) -> str | None:
     return ckpts[-1] if ckpts else None
 
 
-def latest_good(root: str, config=None) -> tuple[str | None, list[str]]:
+def latest_good(root: str, config=None, name: str | None = None) -> tuple[str | None, list[str]]:
     """The newest checkpoint under root that validates, and what was wrong with
-    each newer one (a corrupt or half-copied newest checkpoint is skipped, not fatal)."""
+    each newer one (a corrupt or half-copied newest checkpoint is skipped, not fatal;
+    one of another model raises ModelMismatch)."""
     skipped = []
     for path in reversed(list_checkpoints(root)):
         try:
-            validate(path, config)
+            validate(path, config, name=name)
             return path, skipped
+        except ModelMismatch:
+            raise
         except CheckpointError as e:
             skipped.append(str(e))
     return None, skipped
@@ -201,37 +214,55 @@ def set_aside_newer(root: str, step: int) -> list[str]:
     return moved
 
 
-def validate(path: str, config=None, verify_crc: bool = True) -> dict:
+def _read_meta(path: str) -> dict | None:
+    """A checkpoint's meshtron.json, or None where it is missing or unreadable."""
+    try:
+        with open(os.path.join(path, "meshtron.json")) as f:
+            meta = json.load(f)
+        return meta if isinstance(meta, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _config_diff(meta: dict | None, config) -> dict | None:
+    """{field: (there, here)} where the checkpoint's model config differs from
+    `config`; None where the checkpoint records none."""
+    if meta is None or meta.get("config") is None:
+        return None
+    mine = json.loads(json.dumps(_jsonable(config)))    # as stored: tuples become lists
+    return {k: (meta["config"].get(k), v) for k, v in mine.items()
+            if meta["config"].get(k) != v and k != "fused_kernels"}
+
+
+def validate(path: str, config=None, verify_crc: bool = True, name: str | None = None) -> dict:
     """Check a checkpoint before any tensor is touched: it exists, is complete,
     its files have the sizes (and CRCs) recorded at save, and it was made for
-    this model. Returns its meshtron.json."""
+    this model (else ModelMismatch, naming both; `name`: this run's model). Returns
+    its meshtron.json."""
     if not os.path.isdir(path):
         raise CheckpointError(f"no checkpoint directory at {path}")
     meta_path = os.path.join(path, "meshtron.json")
     if not os.path.isfile(meta_path):
         raise CheckpointError(f"{path} is not a complete meshtron checkpoint (no meshtron.json)")
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-        files = meta["files"]
-    except (ValueError, KeyError, TypeError):
-        raise CheckpointError(f"{meta_path} is empty or not a meshtron checkpoint record") from None
-    for name, info in files.items():
-        fp = os.path.join(path, name)
+    meta = _read_meta(path)
+    if meta is None or not isinstance(meta.get("files"), dict):
+        raise CheckpointError(f"{meta_path} is empty or not a meshtron checkpoint record")
+    diff = _config_diff(meta, config) if config is not None else None
+    if diff:   # before the files: a checkpoint of another model is refused, whole or not
+        there = meta.get("preset") or meta.get("model") or "another model"
+        here = f", this run trains {name}" if name else ""
+        raise ModelMismatch(f"checkpoint {path} is for another model: "
+                            + ", ".join(f"{k}={a!r} there, {b!r} here" for k, (a, b) in diff.items())
+                            + f" (it holds {there}{here}); nothing was written")
+    for fname, info in meta["files"].items():
+        fp = os.path.join(path, fname)
         if not os.path.isfile(fp):
-            raise CheckpointError(f"checkpoint {path} is missing {name}")
+            raise CheckpointError(f"checkpoint {path} is missing {fname}")
         if os.path.getsize(fp) != info["size"]:
             raise CheckpointError(f"checkpoint file {fp} is truncated or altered: "
                                   f"{os.path.getsize(fp)} bytes, {info['size']} expected")
         if verify_crc and _crc32(fp) != info["crc32"]:
             raise CheckpointError(f"checkpoint file {fp} is corrupted (CRC mismatch)")
-    if config is not None and meta["config"] is not None:
-        mine = json.loads(json.dumps(_jsonable(config)))    # as stored: tuples become lists
-        diff = {k: (meta["config"].get(k), v) for k, v in mine.items()
-                if meta["config"].get(k) != v and k != "fused_kernels"}
-        if diff:
-            raise CheckpointError(f"checkpoint {path} is for another model: " +
-                                  ", ".join(f"{k}={a!r} there, {b!r} here" for k, (a, b) in diff.items()))
     return meta
 
 

@@ -111,11 +111,13 @@ class Trainer:
         with agree():   # nothing has communicated yet: every problem stops every rank here
             c.validate(world_size())
             self.run_log = RunLog(self.rank, c.training.metrics_file, c.training.tensorboard, verbose)
-            self.lock = self._hold_checkpoint_dir()
             self.spec, self.model_config, degrees, self.microbatches, self.global_batch = resolve_layout(
                 c, world_size())
             data = self._open_data()
+            # what to resume, read before the directory is locked or cleared: a directory of
+            # another model's checkpoints is refused with its files untouched
             self.resume_from = self._find_resume()
+            self.lock = self._hold_checkpoint_dir()
         self.mesh = init_mesh(**degrees)
         self.device = (torch.device("cuda", torch.cuda.current_device()) if self.mesh.device_type == "cuda"
                        else torch.device("cpu"))
@@ -191,13 +193,16 @@ class Trainer:
 
     def _find_resume(self) -> str | None:
         ck = self.config.checkpoint
+        name = self._model_name()
         if ck.resume == "auto":
-            path, skipped = checkpoint.latest_good(ck.checkpoint_dir, self.model_config)
+            path, skipped = checkpoint.latest_good(ck.checkpoint_dir, self.model_config, name)
             for reason in skipped:
                 self.log(f"skipping a bad checkpoint: {reason}")
+            if path is None:
+                self.log(f"--resume auto: no checkpoint to resume in {ck.checkpoint_dir}; starting from step 0")
             return path
         if ck.resume != "none":
-            checkpoint.validate(ck.resume, self.model_config)
+            checkpoint.validate(ck.resume, self.model_config, name=name)
             return ck.resume
         if ck.checkpoint_dir and checkpoint.list_checkpoints(ck.checkpoint_dir):
             raise ConfigError(f"--checkpoint-dir {ck.checkpoint_dir} already holds checkpoints (newest "
@@ -212,6 +217,11 @@ class Trainer:
             materialize(m, self.device)
             m.init_weights(self.config.training.seed)   # drawn by parameter name: the same under any layout
         return parts, pipeline
+
+    def _model_name(self) -> str:
+        """What the user called the model: its preset, or the Hugging Face checkpoint it came from."""
+        ck = self.config.checkpoint
+        return f"{self.spec.name} from {ck.init_from_hf}" if ck.init_from_hf else self.config.model.model
 
     def _param_names(self) -> dict[int, str] | None:
         return self.pipeline.param_names() if self.pipeline is not None else None
@@ -271,8 +281,7 @@ class Trainer:
             raise ConfigError(f"exit_after must be at least 1, not {exit_after}")
         mc, mesh = self.model_config, self.mesh
         meter = Throughput(mc.flops_per_token(tr.seq_len), dist.get_world_size(), self.device)
-        name = f"{self.spec.name} from {c.checkpoint.init_from_hf}" if c.checkpoint.init_from_hf else c.model.model
-        self.log(f"meshtron | {name} ({mc.num_params() / 1e6:.1f}M params) | mesh "
+        self.log(f"meshtron | {self._model_name()} ({mc.num_params() / 1e6:.1f}M params) | mesh "
                  f"{dict(zip(mesh.mesh_dim_names, mesh.shape))} | global batch {self.global_batch} x {tr.seq_len} "
                  f"tokens, {self.microbatches} micro-batches of {tr.micro_batch} | {self.loader.n_samples} samples")
         losses, t_start = [], time.perf_counter()
@@ -293,7 +302,7 @@ class Trainer:
             if ck.checkpoint_dir and (step % ck.checkpoint_interval == 0 or step == tr.steps):
                 checkpoint.save(ck.checkpoint_dir, step, self.parts, self.optimizer, self.scheduler, self.loader,
                                 config=mc, layout=c, keep=ck.keep_checkpoints, names=self._param_names(),
-                                model=self.spec.name)
+                                model=self.spec.name, preset=self._model_name())
         if ck.export_hf:   # no transformers class has meshtron's MoE block: those keep meshtron's names
             hf.export_safetensors(self.parts, ck.export_hf, mc, None if getattr(mc, "moe", None) else self.spec.hf)
         if self.pipeline is not None:   # memory differs by stage: the first holds the most micro-batches
