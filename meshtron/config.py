@@ -341,8 +341,17 @@ def read_toml(path: str, models=None) -> dict:
     return values
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser whose mistakes raise ConfigError: one line, which the recipe
+    prints once under torchrun (every rank parses the same command line) and hands
+    to torchrun's summary, instead of the usage block and exit 2 on every rank."""
+
+    def error(self, message):
+        raise ConfigError(f"{message} (see --help)")
+
+
 def parser(description: str | None = None, models=None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None, help="a TOML file with the sections below; flags override it")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as such a file and exit")
     p.add_argument("--dry-run", type=int, default=None, metavar="N",

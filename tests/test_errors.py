@@ -149,6 +149,21 @@ def test_the_recipe_prints_one_line_once_and_exits_non_zero():
     assert out.stderr.count("must be divisible by 2") <= 2    # ours, and torchrun's one-entry summary
 
 
+@pytest.mark.parametrize("bad,message", [
+    (["--zero", "4"], "error: argument --zero: invalid choice: 4 (choose from 0, 1, 2, 3) (see --help)"),
+    (["--steps", "two"], "error: argument --steps: invalid int value: 'two' (see --help)")])
+def test_a_command_line_mistake_under_torchrun_is_one_line_once(bad, message):
+    # issue 36, point 1: not argparse's usage block on every rank and a summary that names nothing
+    out = _run_recipe(["--model", "tiny", *bad], nproc=2)
+    assert out.returncode != 0 and out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert lines.count(message) == 1, out.stderr
+    assert "usage:" not in out.stderr, out.stderr
+    # what remains is torchrun's own: its traceback of ChildFailedError and its summary, whose root cause
+    # is this line (through the error file)
+    assert message in out.stderr.split("Root Cause")[-1], out.stderr
+
+
 def test_metrics_file_has_one_json_line_per_logged_step_and_appends_on_resume(pools, tmp_path):
     # issue 11, point 13
     path, ck = tmp_path / "m.jsonl", tmp_path / "ck"
