@@ -15,9 +15,15 @@ from meshtron.data.sources import Tokens
 @dataclass
 class BatchLoader:
     """Global batch `step` takes the next `global_batch` samples of the epoch's
-    order; data-parallel rank r of n takes its slice of global_batch/n (which the
-    trainer cuts into micro-batches). `data`: a source (sources.Tokens or Blend)
-    or an array of token ids."""
+    order, as consecutive global micro-batches of micro_batch x n samples each;
+    data-parallel rank r of n takes its micro_batch of each (which the trainer runs
+    as its micro-batches, in order). So the samples computed together, the i-th
+    micro-batch of every rank, are the same under any layout with the same global
+    micro-batch: one process at --micro-batch 2 and two ranks at --micro-batch 1
+    both take samples (0, 1), then (2, 3). An MoE's batch balancing evens the
+    routing over exactly that group (models/common/moe.py), so its routing does not
+    depend on how ranks and micro-batches are cut. `data`: a source
+    (sources.Tokens or Blend) or an array of token ids."""
 
     data: object
     seq_len: int
@@ -52,7 +58,9 @@ class BatchLoader:
         if epoch != self._epoch:
             self._epoch, self._order = epoch, self.data.order(self.seq_len, self.seed, epoch, self.shuffle)
         ids = self._order[i * self.global_batch:(i + 1) * self.global_batch]
-        return ids[self.dp_rank * self.local_batch:(self.dp_rank + 1) * self.local_batch]
+        m, group = self.micro_batch, self.micro_batch * self.dp_size   # a global micro-batch
+        mine = [g + self.dp_rank * m + j for g in range(0, self.global_batch, group) for j in range(m)]
+        return ids[mine]
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's part of the next global batch: inputs and targets, (local batch, T)."""

@@ -44,9 +44,16 @@ def resolve_degrees(world_size: int, dp: int = -1, pp: int = 1, cp: int = 1, tp:
             raise ValueError(f"pp*cp*tp*ep = {pp}*{cp}*{tp}*{ep} = {rest} does not divide the world size {world_size}")
         degrees["dp"] = world_size // rest
     if degrees["dp"] * rest != world_size:
+        hint = ""
+        if world_size % rest == 0:
+            hint = f": with the other degrees as given, --dp {world_size // rest} fits"
+            if ep > 1 and dp > 1:   # torchtitan and Megatron carve ep out of the data-parallel ranks
+                hint += (f" (ep is an axis of its own here, not a part of dp: the batch is split over dp x ep, so "
+                         f"their --dp {world_size // rest * ep} --ep {ep} is --dp {world_size // rest} "
+                         f"--ep {ep})")
         raise ValueError(
             f"mesh dp*pp*cp*tp*ep = {degrees['dp']}*{pp}*{cp}*{tp}*{ep} = {degrees['dp'] * rest} "
-            f"does not equal the world size {world_size}"
+            f"does not equal the world size {world_size}{hint}"
         )
     return degrees
 

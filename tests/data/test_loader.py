@@ -23,16 +23,18 @@ def test_stdlib_default_data_is_real_text():
 
 def test_dp_ranks_read_disjoint_shards_that_cover_the_global_batch():
     tokens = stdlib_tokens(max_bytes=1 << 20)
-    full = BatchLoader(tokens, seq_len=32, global_batch=8, seed=1)
+    full = BatchLoader(tokens, seq_len=32, global_batch=8, seed=1, micro_batch=4)
     ranks = [BatchLoader(tokens, seq_len=32, global_batch=8, dp_rank=r, dp_size=4, micro_batch=1, seed=1)
              for r in range(4)]
     for _ in range(3):
         x, y = full.next()
         parts = [r.next() for r in ranks]
         assert all(p[0].shape == (2, 32) for p in parts)          # 2 samples per rank
-        xs = torch.cat([p[0] for p in parts])
-        ys = torch.cat([p[1] for p in parts])
-        assert torch.equal(xs, x) and torch.equal(ys, y)         # same samples, same order as one process
+        # micro-batch i of every rank together is one process's micro-batch i (4 samples of the
+        # same global micro-batch), in the same order
+        for i in range(2):
+            assert torch.equal(torch.cat([p[0][i:i + 1] for p in parts]), x[4 * i:4 * i + 4])
+            assert torch.equal(torch.cat([p[1][i:i + 1] for p in parts]), y[4 * i:4 * i + 4])
         assert torch.equal(x[:, 1:], y[:, :-1])                   # targets are the shifted inputs
     # deterministic from the seed, different for another seed
     a = BatchLoader(tokens, 32, 8, seed=1).next()[0]
@@ -63,6 +65,9 @@ def test_no_shuffle_reads_the_file_in_order_every_epoch():
     for _ in range(26):
         a.next()
     assert a.next()[0][:, 0].tolist() == [18, 27]                                # epoch 2 starts over
+    # in micro-batches of 1: this rank's share of each global micro-batch of 2, samples 1 and 3
+    assert BatchLoader(tokens, 9, 4, dp_rank=1, dp_size=2, micro_batch=1, shuffle=False).next()[0][:, 0].tolist() \
+        == [9, 27]
 
 
 def test_bad_batch_shapes_are_clear_errors():

@@ -3,7 +3,6 @@
 under every TP layout, the same collectives as the DTensor styles, and a
 fraction of their host calls (what made small micro-batches, and so pipelines
 combined with TP, host-bound on the GPU)."""
-import collections
 
 import pytest
 import torch

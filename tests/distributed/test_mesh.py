@@ -62,7 +62,11 @@ def _bad_layout(rank, world, degrees):
 
 
 BAD = [
-    (dict(dp=3), "does not equal the world size 4"),
+    (dict(dp=3), "does not equal the world size 4: with the other degrees as given, --dp 4 fits"),
+    # torchtitan's and Megatron's way of writing ep (issue 35)
+    (dict(dp=4, ep=4), "does not equal the world size 4: with the other degrees as given, --dp 1 fits (ep is an "
+                       "axis of its own here, not a part of dp: the batch is split over dp x ep, so their --dp 4 "
+                       "--ep 4 is --dp 1 --ep 4)"),
     (dict(dp=-1, tp=3), "does not divide the world size 4"),
     (dict(dp=0, tp=4), "dp=0 must be a positive integer"),
     (dict(dp=2, pp=-2), "pp=-2 must be a positive integer"),
