@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron import models
-from meshtron.config import ParallelConfig
+from meshtron.config import OneLineParser, ParallelConfig
 from meshtron.distributed.agree import agree
 from meshtron.distributed.mesh import init_mesh
 from meshtron.distributed.tied import materialize
@@ -68,6 +68,17 @@ def generate(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, *, 
     return out
 
 
+def _one_checkpoint(path: str) -> str:
+    """A checkpoint, or a --checkpoint-dir holding them: its newest sound one."""
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "meshtron.json")) \
+            and checkpoint.list_checkpoints(path):
+        newest, _ = checkpoint.latest_good(path)
+        if newest is None:
+            raise checkpoint.CheckpointError(f"no sound checkpoint in {path}: every step-* in it failed validation")
+        return newest
+    return path
+
+
 def load(args, device: torch.device):
     """(model, model config, spec), built on the meta device, parallelized over tp,
     then given the weights of a Hugging Face directory or a meshtron checkpoint."""
@@ -76,6 +87,7 @@ def load(args, device: torch.device):
         if args.hf:
             spec, cfg = models.from_hf(args.hf)
         else:
+            args.checkpoint = _one_checkpoint(args.checkpoint)
             meta = checkpoint.validate(args.checkpoint)
             spec, cfg = models.from_checkpoint(meta)
         spec.check_layout(cfg, dict(dp=1, pp=1, cp=1, tp=args.tp, ep=1), ParallelConfig(tp=args.tp), 1)
@@ -92,10 +104,10 @@ def load(args, device: torch.device):
 
 
 def main(argv=None) -> list[int]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--hf", help="a Hugging Face model directory (config.json + safetensors)")
-    src.add_argument("--checkpoint", help="a meshtron checkpoint (DIR/step-N)")
+    src.add_argument("--checkpoint", help="a meshtron checkpoint (DIR/step-N), or a --checkpoint-dir (its newest)")
     p.add_argument("--prompt", help="text, encoded with --tokenizer")
     p.add_argument("--prompt-ids", help="comma-separated token ids instead of --prompt")
     p.add_argument("--tokenizer", default=None,

@@ -9,8 +9,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from meshtron.generate import main  # noqa: E402
+from meshtron.train.lifetime import one_line_errors  # noqa: E402
 
 if __name__ == "__main__":
-    if "RANK" not in os.environ:   # plain `python recipes/generate.py`: a world of one, no port
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    main()
+    one_line_errors(main)   # a world of one without torchrun; a mistake is one line

@@ -321,3 +321,29 @@ def test_retention_removes_only_checkpoints_of_its_own_model(pools, tmp_path):
     ck = str(tmp_path)
     run(pools, "single", "--checkpoint-dir", ck, "--checkpoint-interval", "1", exit_after=2)
     assert pools.run(1, _save_another_model_beside, ck)[0] == ["step-00000001", "step-00000002", "step-00000004"]
+
+
+def _generate(*args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "generate.py"), *args], capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def test_a_run_says_what_it_wrote_and_generation_reads_its_directory(tmp_path):
+    # issue 36, points 3 and 5: a line per checkpoint, a closing line, and the directory is what generation takes
+    ck, metrics = str(tmp_path / "ck"), str(tmp_path / "m.jsonl")
+    out = _recipe("--model", "tiny", "--steps", "2", "--seq-len", "32", "--global-batch", "2", "--micro-batch", "2",
+                  "--checkpoint-dir", ck, "--checkpoint-interval", "1", "--metrics-file", metrics)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert [line for line in lines if line.startswith("saved checkpoint")] == [
+        f"saved checkpoint {ck}/step-00000001", f"saved checkpoint {ck}/step-00000002"]
+    assert lines[-1].startswith("done: 2 steps (1-2 of 2), 128 tokens in "), lines[-1]
+    assert ", final loss " in lines[-1] and lines[-1].endswith(f"; checkpoints in {ck}, metrics in {metrics}")
+    gen = _generate("--checkpoint", ck, "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--print-ids")
+    assert gen.returncode == 0 and len(gen.stdout.strip().split(",")) == 4, gen.stderr
+    for bad, message in ((["--checkpoint", str(tmp_path / "nothing")], f"error: no checkpoint directory at "
+                                                                       f"{tmp_path}/nothing"),
+                         (["--checkpoint", ck, "--tokenizer", str(tmp_path / "no-tokenizer")], "error: ")):
+        gen = _generate(*bad, "--prompt", "def ", "--max-new-tokens", "2")
+        assert gen.returncode == 1 and len(gen.stderr.strip().splitlines()) == 1, gen.stderr
+        assert gen.stderr.startswith(message), gen.stderr

@@ -28,6 +28,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 
 _PR_SET_PDEATHSIG = 1   # <linux/prctl.h>
 
@@ -144,3 +145,30 @@ def _read(fd: int) -> dict | None:
         return json.loads(data) if data.strip() else None
     except (OSError, ValueError):
         return None
+
+
+def one_line_errors(fn, *args, **kwargs) -> None:
+    """A recipe's entry point: fn(*args, **kwargs) in a world of one without torchrun;
+    a problem of the user's (ValueError, OSError, KeyError) is one line on stderr,
+    printed once (by rank 0 when every rank found it), and exit 1."""
+    import torch.distributed as dist  # here only: the rest of this file needs no torch
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    try:
+        fn(*args, **kwargs)
+    except (ValueError, OSError, KeyError) as e:
+        rank = int(os.environ.get("RANK", "0"))
+        agreed = getattr(e, "all_ranks", False)
+        message = f"error: {e}"
+        if agreed and rank != 0:
+            # every rank found it: rank 0 reports it and fails the job, so torchrun's
+            # summary names one failure, with this message, not one per rank
+            os._exit(0)
+        print(message if rank == 0 else f"[rank {rank}] {message}", file=sys.stderr, flush=True)
+        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if error_file:   # torchrun's summary then shows this line instead of a pointer to its docs
+            with open(error_file, "w") as f:
+                json.dump({"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+        os._exit(1)   # skip the process group's teardown, which would wait for ranks that already left
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -22,10 +22,8 @@ rank 1 at step N on a torchrun job's first attempt (fault-recovery tests).
 from __future__ import annotations
 
 import datetime
-import json
 import math
 import os
-import sys
 import time
 
 import torch
@@ -45,7 +43,7 @@ from meshtron.distributed.reduce import sum_over
 from meshtron.distributed.tied import materialize
 from meshtron.train import checkpoint, hf
 from meshtron.train.layout import build_model, pipeline_io, resolve_layout
-from meshtron.train.lifetime import DirectoryLock, describe, die_with_agent, under_torchrun
+from meshtron.train.lifetime import DirectoryLock, describe, die_with_agent, one_line_errors, under_torchrun
 from meshtron.train.loss import IGNORE_INDEX, forward_kwargs
 from meshtron.train.metrics import RunLog, Throughput, peak_memory_gib
 from meshtron.train.optim import build_optimizer, warmup_cosine
@@ -300,19 +298,36 @@ class Trainer:
                                     f"eval {step:>6}/{tr.steps} | loss {eval_loss:.4f} | ppl "
                                     f"{math.exp(min(eval_loss, 80)):.2f}")
             if ck.checkpoint_dir and (step % ck.checkpoint_interval == 0 or step == tr.steps):
-                checkpoint.save(ck.checkpoint_dir, step, self.parts, self.optimizer, self.scheduler, self.loader,
-                                config=mc, layout=c, keep=ck.keep_checkpoints, names=self._param_names(),
-                                model=self.spec.name, preset=self._model_name())
+                saved = checkpoint.save(ck.checkpoint_dir, step, self.parts, self.optimizer, self.scheduler,
+                                        self.loader, config=mc, layout=c, keep=ck.keep_checkpoints,
+                                        names=self._param_names(), model=self.spec.name, preset=self._model_name())
+                self.log(f"saved checkpoint {saved}")
         if ck.export_hf:   # no transformers class has meshtron's MoE block: those keep meshtron's names
             hf.export_safetensors(self.parts, ck.export_hf, mc, None if getattr(mc, "moe", None) else self.spec.hf)
+            self.log(f"exported the weights to {ck.export_hf} (Hugging Face safetensors)")
         if self.pipeline is not None:   # memory differs by stage: the first holds the most micro-batches
             per_rank = [None] * dist.get_world_size()
             dist.all_gather_object(per_rank, (self.pipeline.stage_ids, peak_memory_gib(self.device)))
             for r, (ids, mem) in enumerate(per_rank):
                 host = " (host RSS)" if self.device.type == "cpu" else ""
                 self.log(f"rank {r} stages {ids}: peak mem {mem:.2f} GiB{host}")
+        self._closing_line(losses, last, time.perf_counter() - t_start)
         self.close()
         return [float(x) for x in losses]
+
+    def _closing_line(self, losses: list, last: int, seconds: float) -> None:
+        """What the run did and what it left behind, in one line."""
+        c, done = self.config, last - self.start
+        final = f"final loss {float(losses[-1]):.4f}" if losses else "no step run"
+        wrote = [f"checkpoints in {c.checkpoint.checkpoint_dir}" if c.checkpoint.checkpoint_dir else
+                 "no checkpoint (--checkpoint-dir)"]
+        if c.training.metrics_file:
+            wrote.append(f"metrics in {c.training.metrics_file}")
+        if c.checkpoint.export_hf:
+            wrote.append(f"weights exported to {c.checkpoint.export_hf}")
+        self.log(f"done: {done} steps ({self.start + 1}-{last} of {c.training.steps}), "
+                 f"{done * self.global_batch * c.training.seq_len:,} tokens in {seconds:.0f} s, {final}; "
+                 + ", ".join(wrote))
 
     def _report(self, step: int, loss: float, norm: float, m: dict, elapsed: float) -> None:
         tr = self.config.training
@@ -385,25 +400,5 @@ def main(argv=None, *, description: str | None = None, exit_after: int | None = 
 
 def run(argv=None, description: str | None = None) -> None:
     """The recipe's entry point: a world of one without torchrun (no port: see
-    init_process_group); a problem is one line on stderr, printed once (by rank 0
-    when every rank found it), and exit 1."""
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    try:
-        main(argv, description=description)
-    except (ValueError, OSError, KeyError) as e:
-        rank = int(os.environ.get("RANK", "0"))
-        agreed = getattr(e, "all_ranks", False)
-        message = f"error: {e}"
-        if agreed and rank != 0:
-            # every rank found it: rank 0 reports it and fails the job, so torchrun's
-            # summary names one failure, with this message, not one per rank
-            os._exit(0)
-        print(message if rank == 0 else f"[rank {rank}] {message}", file=sys.stderr, flush=True)
-        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-        if error_file:   # torchrun's summary then shows this line instead of a pointer to its docs
-            with open(error_file, "w") as f:
-                json.dump({"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
-        os._exit(1)   # skip the process group's teardown, which would wait for ranks that already left
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    init_process_group); a problem is one line on stderr (lifetime.one_line_errors)."""
+    one_line_errors(main, argv, description=description)
