@@ -79,6 +79,29 @@ def _one_checkpoint(path: str) -> str:
     return path
 
 
+def _tokenizer(args):
+    """--tokenizer; else the Hugging Face directory's own, or the one the checkpoint's
+    training text was read with (the byte tokenizer for checkpoints that record none).
+    A tokenizer other than the one the checkpoint trained with is refused where the
+    vocabularies differ, and so is text for a checkpoint trained on token ids."""
+    from meshtron.data.tokenizer import load_tokenizer
+    if args.hf:
+        return load_tokenizer(args.tokenizer or (
+            args.hf if os.path.isfile(os.path.join(args.hf, "tokenizer.json")) else "bytes"))
+    meta = checkpoint.validate(args.checkpoint, verify_crc=False)
+    trained = meta.get("tokenizer", "bytes")     # checkpoints before the record: the old default
+    if trained is None and args.tokenizer is None:
+        raise ValueError(f"{args.checkpoint} was trained on token ids (its tokenizer is not recorded): pass "
+                         "--tokenizer, or --prompt-ids with --print-ids")
+    tokenizer = load_tokenizer(args.tokenizer or trained)
+    if trained is not None and args.tokenizer is not None:
+        own = load_tokenizer(trained) if trained == "bytes" or os.path.exists(trained) else None
+        if own is not None and own.vocab_size != tokenizer.vocab_size:
+            raise ValueError(f"--tokenizer {args.tokenizer} has {tokenizer.vocab_size} tokens; {args.checkpoint} "
+                             f"was trained with {trained} ({own.vocab_size})")
+    return tokenizer
+
+
 def load(args, device: torch.device):
     """(model, model config, spec), built on the meta device, parallelized over tp,
     then given the weights of a Hugging Face directory or a meshtron checkpoint."""
@@ -87,9 +110,7 @@ def load(args, device: torch.device):
         if args.hf:
             spec, cfg = models.from_hf(args.hf)
         else:
-            args.checkpoint = _one_checkpoint(args.checkpoint)
-            meta = checkpoint.validate(args.checkpoint)
-            spec, cfg = models.from_checkpoint(meta)
+            spec, cfg = models.from_checkpoint(checkpoint.validate(args.checkpoint))
         spec.check_layout(cfg, dict(dp=1, pp=1, cp=1, tp=args.tp, ep=1), ParallelConfig(tp=args.tp), 1)
         with torch.device("meta"):
             model = spec.model_cls(cfg, seed=None)
@@ -124,13 +145,13 @@ def main(argv=None) -> list[int]:
     args = p.parse_args(argv)
     if (args.prompt is None) == (args.prompt_ids is None):
         p.error("give one of --prompt and --prompt-ids")
+    if args.checkpoint:
+        args.checkpoint = _one_checkpoint(args.checkpoint)
     init_process_group(600)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     tokenizer = None
     if args.prompt is not None or not args.print_ids:   # text in or out
-        from meshtron.data.tokenizer import load_tokenizer
-        tokenizer = load_tokenizer(args.tokenizer or (
-            args.hf if args.hf and os.path.isfile(os.path.join(args.hf, "tokenizer.json")) else "bytes"))
+        tokenizer = _tokenizer(args)
     prompt = [int(t) for t in args.prompt_ids.split(",")] if args.prompt_ids else tokenizer.encode(args.prompt)
     model, cfg, _ = load(args, device)
     out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

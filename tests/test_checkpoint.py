@@ -341,9 +341,26 @@ def test_a_run_says_what_it_wrote_and_generation_reads_its_directory(tmp_path):
     assert ", final loss " in lines[-1] and lines[-1].endswith(f"; checkpoints in {ck}, metrics in {metrics}")
     gen = _generate("--checkpoint", ck, "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--print-ids")
     assert gen.returncode == 0 and len(gen.stdout.strip().split(",")) == 4, gen.stderr
+    assert checkpoint.validate(checkpoint.latest(ck))["tokenizer"] == "bytes"   # the text was read as bytes
     for bad, message in ((["--checkpoint", str(tmp_path / "nothing")], f"error: no checkpoint directory at "
                                                                        f"{tmp_path}/nothing"),
                          (["--checkpoint", ck, "--tokenizer", str(tmp_path / "no-tokenizer")], "error: ")):
         gen = _generate(*bad, "--prompt", "def ", "--max-new-tokens", "2")
         assert gen.returncode == 1 and len(gen.stderr.strip().splitlines()) == 1, gen.stderr
         assert gen.stderr.startswith(message), gen.stderr
+
+
+def test_generation_refuses_text_for_a_checkpoint_trained_on_token_ids(tmp_path):
+    # issue 36, point 5: not 64 replacement characters from the wrong tokenizer
+    from meshtron.data import write_token_file
+    data = str(tmp_path / "ids.u16")
+    write_token_file(data, torch.randint(0, 300, (4096,)).numpy())
+    ck = str(tmp_path / "ck")
+    out = _recipe("--model", "tiny", "--steps", "1", "--seq-len", "32", "--global-batch", "2", "--micro-batch", "2",
+                  "--data", data, "--checkpoint-dir", ck)
+    assert out.returncode == 0, out.stderr
+    assert checkpoint.validate(checkpoint.latest(ck))["tokenizer"] is None
+    gen = _generate("--checkpoint", ck, "--prompt", "def ", "--max-new-tokens", "2")
+    assert gen.returncode == 1 and gen.stderr.strip().splitlines() == [
+        f"error: {ck}/step-00000001 was trained on token ids (its tokenizer is not recorded): pass --tokenizer, or "
+        "--prompt-ids with --print-ids"], gen.stderr

@@ -189,6 +189,17 @@ class Blend:
         return self.parts[int(d)].sample(int(j), seq_len)
 
 
+def is_text(spec: str | None) -> bool:
+    """Whether every source of a --data spec (one path or a blend) is text, read
+    through a tokenizer, rather than token ids (a token file, a Megatron dataset)."""
+    words = (spec or "").split()
+    for source in words[1::2] if len(words) > 1 else [spec]:
+        if source not in (None, "stdlib") and (exists(source) or (source.endswith(".bin") and exists(source[:-4]))
+                                               or os.path.splitext(source)[1] in TOKEN_FILE_DTYPES):
+            return False
+    return True
+
+
 def open_data(spec: str | None, vocab_size: int, tokenizer: str | None = None):
     """What the trainer's loader reads: Tokens of one source, or a Blend of
     "W1 PATH1 W2 PATH2 ..." (Megatron's --data-path). Every id is checked."""

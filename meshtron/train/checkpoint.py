@@ -117,9 +117,11 @@ def _rng_state() -> dict:
 
 def save(root: str, step: int, parts, optimizer, scheduler=None, loader=None, *, config=None, layout=None,
          keep: int = 3, names: dict[int, str] | None = None, model: str | None = None,
-         preset: str | None = None) -> str:
+         preset: str | None = None, tokenizer: str | None = None) -> str:
     """Write root/step-<step> from every rank; returns its path. `model`: the family
-    (meshtron.models' registry key), `preset`: the name the run gave (--model). Of the
+    (meshtron.models' registry key), `preset`: the name the run gave (--model),
+    `tokenizer`: the one its text data was read with ("bytes", a tokenizer.json
+    directory; None for token files, whose tokenizer is not known). Of the
     older checkpoints, only those of this model config count towards `keep`, and only
     those are removed."""
     final = os.path.join(root, f"step-{step:08d}")
@@ -138,7 +140,7 @@ def save(root: str, step: int, parts, optimizer, scheduler=None, loader=None, *,
     if _rank() == 0:
         files = {os.path.basename(f): {"size": os.path.getsize(f), "crc32": _crc32(f)}
                  for f in sorted(glob.glob(os.path.join(tmp, "*"))) + sorted(glob.glob(os.path.join(tmp, ".metadata")))}
-        meta = {"step": step, "model": model, "preset": preset, "config": _jsonable(config),
+        meta = {"step": step, "model": model, "preset": preset, "tokenizer": tokenizer, "config": _jsonable(config),
                 "layout": _jsonable(layout), "files": files}
         with open(os.path.join(tmp, "meshtron.json"), "w") as f:
             json.dump(meta, f, indent=1)

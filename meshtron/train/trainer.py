@@ -33,6 +33,7 @@ import torch.nn as nn
 from meshtron import models
 from meshtron.config import Config, ConfigError
 from meshtron.data import BatchLoader, open_data
+from meshtron.data.sources import is_text
 from meshtron.distributed.agree import agree
 from meshtron.distributed.context_parallel import shard_sequence
 from meshtron.distributed.data_parallel import autocast_dtype, reshard
@@ -221,6 +222,12 @@ class Trainer:
         ck = self.config.checkpoint
         return f"{self.spec.name} from {ck.init_from_hf}" if ck.init_from_hf else self.config.model.model
 
+    def _tokenizer(self) -> str | None:
+        """The tokenizer the training text was read with, for generation to use: None
+        where the data were token ids already (a token file, a Megatron dataset)."""
+        d = self.config.data
+        return (os.path.abspath(d.tokenizer) if d.tokenizer else "bytes") if is_text(d.data) else None
+
     def _param_names(self) -> dict[int, str] | None:
         return self.pipeline.param_names() if self.pipeline is not None else None
 
@@ -300,7 +307,8 @@ class Trainer:
             if ck.checkpoint_dir and (step % ck.checkpoint_interval == 0 or step == tr.steps):
                 saved = checkpoint.save(ck.checkpoint_dir, step, self.parts, self.optimizer, self.scheduler,
                                         self.loader, config=mc, layout=c, keep=ck.keep_checkpoints,
-                                        names=self._param_names(), model=self.spec.name, preset=self._model_name())
+                                        names=self._param_names(), model=self.spec.name, preset=self._model_name(),
+                                        tokenizer=self._tokenizer())
                 self.log(f"saved checkpoint {saved}")
         if ck.export_hf:   # no transformers class has meshtron's MoE block: those keep meshtron's names
             hf.export_safetensors(self.parts, ck.export_hf, mc, None if getattr(mc, "moe", None) else self.spec.hf)
