@@ -89,3 +89,15 @@ def test_ruff():
     out = subprocess.run([ruff, "check", "meshtron", "tests", "recipes", "benchmarks"], cwd=ROOT, capture_output=True,
                          text=True)
     assert out.returncode == 0, out.stdout[-3000:]
+
+
+LOWER = ("distributed", "models", "data", "kernels_triton")   # what train/ and planner/ are built on
+
+
+def test_no_lower_package_imports_up_into_train_or_planner():
+    # issue 36, point 7: the packages below import nothing from the ones built on them
+    known = modules()
+    up = {name: sorted(m for m in imports(name, path, known) if m.startswith(("meshtron.train", "meshtron.planner")))
+          for name, path in known.items() if name.split(".")[1:2] and name.split(".")[1] in LOWER}
+    assert not {k: v for k, v in up.items() if v}, up
+    assert "meshtron.models" in up and "meshtron.distributed.pipeline_parallel" in up   # the walk saw them

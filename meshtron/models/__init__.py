@@ -7,7 +7,7 @@ Adding a model: a folder with its SPEC, and one line in MODELS.
 from meshtron.models import gpt, llama
 from meshtron.models.common.moe import MoEConfig
 from meshtron.models.gpt import GPT, GPTConfig, gpt_config
-from meshtron.models.spec import ModelSpec
+from meshtron.models.spec import ModelSpec, read_hf_config
 
 MODELS: dict[str, ModelSpec] = {"gpt": gpt.SPEC, "llama": llama.SPEC}
 PRESETS: dict[str, ModelSpec] = {preset: spec for spec in MODELS.values() for preset in spec.presets}
@@ -15,7 +15,6 @@ PRESETS: dict[str, ModelSpec] = {preset: spec for spec in MODELS.values() for pr
 
 def from_hf(path: str):
     """(spec, model config) of a Hugging Face model directory, by its config.json's model_type."""
-    from meshtron.train.hf import read_hf_config
     d = read_hf_config(path)
     for spec in MODELS.values():
         if spec.hf is not None and spec.hf.MODEL_TYPE == d.get("model_type"):

@@ -18,6 +18,8 @@ What the trainer relies on, for every model:
 """
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -68,3 +70,15 @@ def moe_overrides(preset, options) -> dict:
     if given.get("batch_balance", 0) < 0:
         raise ConfigError(f"--moe-batch-balance is a number of rounds (0: off), not {given['batch_balance']}")
     return {"moe": replace(preset.moe, **given)}
+
+
+def read_hf_config(path: str) -> dict:
+    """DIR/config.json as a dict (a clear error naming the file if it is missing or broken)."""
+    file = os.path.join(path, "config.json")
+    try:
+        with open(file) as f:
+            return json.load(f)
+    except OSError:
+        raise FileNotFoundError(f"no Hugging Face config at {file}") from None
+    except ValueError as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from None

@@ -27,17 +27,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-
-def read_hf_config(path: str) -> dict:
-    """DIR/config.json as a dict (a clear error naming the file if it is missing or broken)."""
-    file = os.path.join(path, "config.json")
-    try:
-        with open(file) as f:
-            return json.load(f)
-    except OSError:
-        raise FileNotFoundError(f"no Hugging Face config at {file}") from None
-    except ValueError as e:
-        raise ValueError(f"{file} is not valid JSON: {e}") from None
+from meshtron.models.spec import read_hf_config
 
 
 def check_hf_config(path: str, config, adapter) -> None:
