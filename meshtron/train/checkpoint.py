@@ -147,7 +147,7 @@ def save(root: str, step: int, parts, optimizer, scheduler=None, loader=None, *,
             f.flush()
             os.fsync(f.fileno())
         os.rename(tmp, final)                    # atomic: the checkpoint exists whole or not at all
-        ours = [c for c in list_checkpoints(root) if config is not None and _config_diff(_read_meta(c), config) == {}]
+        ours = [c for c in list_checkpoints(root) if _same_model(c, config)]
         for old in ours[:-keep]:   # renamed first: a killed prune leaves no partial step-N
             doomed = os.path.join(root, ".tmp-pruned-" + os.path.basename(old))
             os.rename(old, doomed)
@@ -234,6 +234,14 @@ def _config_diff(meta: dict | None, config) -> dict | None:
     mine = json.loads(json.dumps(_jsonable(config)))    # as stored: tuples become lists
     return {k: (meta["config"].get(k), v) for k, v in mine.items()
             if meta["config"].get(k) != v and k != "fused_kernels"}
+
+
+def _same_model(path: str, config) -> bool:
+    """Whether the checkpoint at `path` records this model config (both none counts)."""
+    meta = _read_meta(path)
+    if meta is None:
+        return False
+    return meta.get("config") is None if config is None else _config_diff(meta, config) == {}
 
 
 def validate(path: str, config=None, verify_crc: bool = True, name: str | None = None) -> dict:
