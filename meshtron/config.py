@@ -79,7 +79,8 @@ class ParallelConfig:
     sp: bool = False
     """sequence parallelism (needs tp > 1)"""
     async_tp: bool = False
-    """overlap SP's all-gathers and reduce-scatters with the matmuls next to them (needs --sp)"""
+    ("overlap SP's all-gathers and reduce-scatters with the matmuls next to them (needs --sp); measured no "
+     "faster: tp4 on four H100s 34.5k against 38.1k tokens/s/GPU, tp2 on two H200s even (benchmarks/RESULTS.md)")
     cp_comm: str = field(default="p2p", metadata={"choices": ("p2p", "allgather", "a2a")})
     """context-parallel attention: p2p (ring), allgather (K/V) or a2a (Ulysses, heads)"""
     loss_parallel: bool = True
