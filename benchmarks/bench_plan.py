@@ -34,7 +34,7 @@ from meshtron import Config, models  # noqa: E402
 from meshtron.distributed.mesh import resolve_degrees  # noqa: E402
 from meshtron.planner import plan  # noqa: E402
 from meshtron.train.layout import batch_layout  # noqa: E402
-from meshtron.train.trainer import init_process_group  # noqa: E402
+from meshtron.train.lifetime import init_process_group  # noqa: E402
 
 GB16 = ["--seq-len", "2048", "--global-batch", "16"]
 SUITES = {   # world size, [recipe flags]

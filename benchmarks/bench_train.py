@@ -43,8 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from meshtron import Config, Trainer, models  # noqa: E402
 from meshtron.distributed.pipeline_parallel import bubble_fraction  # noqa: E402
+from meshtron.train.lifetime import init_process_group  # noqa: E402
 from meshtron.train.metrics import peak_tflops  # noqa: E402
-from meshtron.train.trainer import init_process_group  # noqa: E402
 
 LAYOUTS = {  # name: (GPUs, recipe flags); bf16 compute, fp32 master weights and reduction throughout
     "1gpu": (1, []),
@@ -198,14 +198,14 @@ def step_fn(trainer, args, opts):
         order = [first] + [b for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
                            if b != first]
 
-        def step(x, y):
+        def step(x, y, inputs=None):
             with sdpa_kernel(order, set_priority=True):
-                return trainer.step(x, y)
+                return trainer.step(x, y, inputs)
     if args.sync_steps:   # the host waits for each step: a race that needs the CPU ahead shows as a changed loss
         unsynced = step
 
-        def step(x, y):
-            out = unsynced(x, y)
+        def step(x, y, inputs=None):
+            out = unsynced(x, y, inputs)
             sync(trainer.device)
             return out
     return step
@@ -220,7 +220,7 @@ def timed(step, batches, args, trainer) -> tuple[list, list, float, list[float]]
     def one(i):
         trace.append(step(*batches[i % len(batches)]))
         if trainer.moe_stats is not None:   # the worst layer's tokens of its busiest expert / the mean
-            loads.append(trainer.moe_stats[3:])   # [as run, the router's own choice]
+            loads.append(torch.stack(trainer.moe_stats[3:]))   # [as run, the router's own choice]
     t0 = time.perf_counter()
     for i in range(args.warmup):
         one(i)
@@ -286,7 +286,7 @@ def measure(name: str, recipe_flags: list[str], args) -> dict:
     device = trainer.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    batches = [trainer.loader.next() for _ in range(4)]
+    batches = [trainer.next_batch() for _ in range(4)]   # (x, y, the per-token inputs of --document-mask)
     step = step_fn(trainer, args, opts)
     sdpa = next((o for o in opts if o in ("cudnn", "flash")), args.sdpa)
     trace, loads, warmup_s, rounds = timed(step, batches, args, trainer)

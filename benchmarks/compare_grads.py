@@ -22,8 +22,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from meshtron import Config, Trainer, models  # noqa: E402
+from meshtron.train.lifetime import init_process_group  # noqa: E402
 from meshtron.train.step import gradients  # noqa: E402
-from meshtron.train.trainer import init_process_group  # noqa: E402
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

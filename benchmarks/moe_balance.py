@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from meshtron import Config, Trainer, models  # noqa: E402
 from meshtron.models.common.moe import moe_blocks, step_loads  # noqa: E402
-from meshtron.train.trainer import init_process_group  # noqa: E402
+from meshtron.train.lifetime import init_process_group  # noqa: E402
 
 
 def main(argv=None) -> dict:

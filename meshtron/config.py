@@ -162,6 +162,12 @@ class DataConfig:
     """global batches per evaluation"""
     shuffle: bool = True
     """draw each epoch's samples in a seeded random order (--no-shuffle: file order, as torchtitan's loader reads)"""
+    document_mask: bool = False
+    """attend only within each packed document, causally (Megatron's --reset-attention-mask; FlexAttention on GPUs)"""
+    document_positions: bool = False
+    """restart the positions (RoPE or learned) at each document's start (Megatron's --reset-position-ids)"""
+    eod_mask_loss: bool = False
+    """no loss where a document's last token would predict the next document's first (Megatron's --eod-mask-loss)"""
 
 
 @dataclass
@@ -240,8 +246,9 @@ class Config:
             lines.append("")
         return "\n".join(lines)
 
-    def validate(self, world_size: int) -> None:
-        """Every check that needs neither the model nor a process group."""
+    def validate(self, world_size: int) -> dict[str, int]:
+        """Every check that needs neither the model nor a process group; returns the
+        five degrees on `world_size` ranks (dp=-1 resolved)."""
         t, p, c = self.training, self.parallel, self.checkpoint
         for name, value in (("--steps", t.steps), ("--micro-batch", t.micro_batch), ("--seq-len", t.seq_len),
                             ("--log-interval", t.log_interval), ("--checkpoint-interval", c.checkpoint_interval),
@@ -285,6 +292,12 @@ class Config:
             raise ConfigError(f"--pp-schedule {p.pp_schedule} computes weight gradients outside FSDP's backward, "
                               "and with --zero 3 (parameters resharded after each forward) some of them are lost: "
                               "use --zero 2 (the same sharded gradients and optimizer state) or another schedule")
+        data = self.data
+        if data.document_mask and d["cp"] > 1 and p.cp_comm != "a2a":
+            raise ConfigError(f"--document-mask under context parallelism takes --cp-comm a2a (Ulysses: each rank "
+                              f"attends over the whole sequence, which the mask covers); --cp-comm {p.cp_comm} "
+                              "does not take a mask")
+        return d
 
 
 # ---- the command line, generated from the dataclasses ---------------------------

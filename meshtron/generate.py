@@ -26,7 +26,7 @@ from meshtron.distributed.mesh import init_mesh
 from meshtron.distributed.tied import materialize
 from meshtron.models.common.kv_cache import KVCache
 from meshtron.train import checkpoint, hf
-from meshtron.train.trainer import init_process_group
+from meshtron.train.lifetime import init_process_group
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,

@@ -18,7 +18,7 @@ from meshtron.distributed.data_parallel import autocast_dtype
 from meshtron.distributed.mesh import batch_slice, degree
 from meshtron.distributed.pipeline_parallel import Pipeline
 from meshtron.distributed.reduce import clip_grad_norm_
-from meshtron.models.common.moe import end_step, moe_blocks
+from meshtron.models.common.moe import end_step, moe_blocks, set_aux_grad_scale
 from meshtron.train.checkpoint import fqn as clean_name
 from meshtron.train.optim import build_optimizer
 from meshtron.train.step import forward_backward
@@ -133,10 +133,10 @@ def _layout_step(report: ParityReport, parts, opt, mesh, pipeline, x, y, micro_b
 
 def _moe_step(report: ParityReport, ref, parts, mesh, pipeline) -> None:
     """The MoE statistics of the step (the aux loss), reset for the next."""
-    ref_stats, stats = end_step(moe_blocks([ref])), end_step(moe_blocks(parts))
+    ref_aux, aux = end_step(moe_blocks([ref])).aux_loss, end_step(moe_blocks(parts)).aux_loss
     if pipeline is not None and degree(mesh, "pp") > 1:
-        torch.distributed.all_reduce(stats, group=mesh["pp"].get_group())
-    report.aux = max(report.aux, abs(float(stats[0] - ref_stats[0])) / max(float(ref_stats[0]), 1e-12))
+        torch.distributed.all_reduce(aux, group=mesh["pp"].get_group())
+    report.aux = max(report.aux, abs(float(aux - ref_aux)) / max(float(ref_aux), 1e-12))
 
 
 def _final_state(report: ParityReport, ref, parts, solo, canonical) -> None:
@@ -186,6 +186,11 @@ def run_parity(mesh, build_model, parallelize, batches, *, micro_batches: int = 
     pipeline = par if isinstance(par, Pipeline) else None
     parts = pipeline.parts if pipeline else [par]
     par_opt = build_optimizer(parts, lr, eps=1e-4)
+    # the aux loss's gradient scale, a part of each side's layout (meshtron.train.layout.build_model's)
+    for model in (ref, solo):
+        set_aux_grad_scale(moe_blocks([model] if model is not None else []), 1, ref_fb_kwargs.get("microbatches", 1))
+    set_aux_grad_scale(moe_blocks(parts), degree(mesh, "dense_dp") if mesh is not None else 1,
+                       pipeline.microbatches if pipeline else micro_batches)
     index, count = batch_slice(mesh)
     # a tied weight has one name in the reference and may have a copy under each
     # name elsewhere (a pipeline's first and last stages): map names to the reference's

@@ -98,7 +98,15 @@ def resumed(stdout: str, cwd: str) -> None:
     assert os.path.exists(os.path.join(cwd, "out", "gpt2", "config.json"))
 
 
-CHECKS = {"real_data": real_data, "resumed": resumed}
+def own_model(stdout: str, cwd: str) -> None:
+    """docs/own-model.md: six steps at dp2 x tp2, resumed at dp2 x pp2 to twelve, exported and read by transformers."""
+    steps = re.findall(r"^step (\d+) \| loss ([\d.]+)", stdout, re.M)
+    assert [int(s) for s, _ in steps] == [3, 6, 9, 12], stdout
+    assert float(steps[-1][1]) < float(steps[0][1]) - 0.5, stdout
+    assert "saved checkpoint runs/own/step-00000012" in stdout and "LlamaForCausalLM" in stdout, stdout
+
+
+CHECKS = {"real_data": real_data, "resumed": resumed, "own_model": own_model}
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +166,17 @@ def test_block_runs(block: Block, workdirs):
     assert out.returncode == 0, f"{block_id(block)}\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
     if "check" in block.attrs:
         CHECKS[block.attrs["check"]](out.stdout, cwd)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_python_blocks_are_files_the_page_runs(page):
+    # a page's Python is a file of the checkout, shown whole, which one of its commands runs
+    runs = " ".join(b.text for b in code_blocks(page) if not b.marker)
+    for b in code_blocks(page, "python"):
+        path = b.attrs.get("file")
+        assert path, f"{page}:{b.line}: a ```python block names the file it shows (file=PATH)"
+        assert b.text == read(path), f"{page}:{b.line}: the block differs from {path}"
+        assert path in runs, f"{page}:{b.line}: no command of the page runs {path}"
 
 
 def test_readme_set_up_is_what_ci_runs():
@@ -250,7 +269,7 @@ def test_meshtron_names_resolve(page):
 PROGRAMS = {  # how a command line names a program -> how to ask it for its help (run in this process)
     "recipes/train.py": "trainer",
     "recipes/generate.py": "recipes/generate.py",
-    "recipes/own_model.py": None,
+    "recipes/own_model.py": "recipes/own_model.py",
     "meshtron.plan calibrate": ("meshtron.plan", "calibrate"),
     "meshtron.plan": ("meshtron.plan",),
     "meshtron.planner.plan calibrate": ("meshtron.planner.plan", "calibrate"),
@@ -267,7 +286,7 @@ PROGRAMS = {  # how a command line names a program -> how to ask it for its help
     "benchmarks/bench_fused_loss.py": "benchmarks/bench_fused_loss.py",
     "benchmarks/moe_balance.py": "benchmarks/moe_balance.py",
     "benchmarks/compare_grads.py": "docstring",    # no --help: its flags are in its docstring
-    "torchrun": "torchrun",
+    "torchrun": "torchrun",   # and meshtron-run, which takes torchrun's flags
 }
 PASSES_TO_TRAINER = ("benchmarks/bench_train.py", "benchmarks/bench_plan.py", "benchmarks/compare_grads.py",
                      "benchmarks/moe_balance.py")
@@ -317,7 +336,7 @@ def commands(text: str):
         for cmd in re.split(r"&&|\|\||;|\|", line.split("#")[0]):
             names = [p for p in PROGRAMS if p != "torchrun" and re.search(rf"(^|[\s/-]){re.escape(p)}(\s|$)", cmd)]
             name = max(names, key=len) if names else None
-            if re.search(r"(^|[\s/])(torchrun|torch\.distributed\.run)\s", cmd):
+            if re.search(r"(^|[\s/])(torchrun|torch\.distributed\.run|meshtron-run|meshtron\.launch)\s", cmd):
                 yield "torchrun", re.findall(r"(?<!\S)--[a-z][\w-]*", cmd.split(name)[0] if name else cmd)
             if name:
                 yield name, re.findall(r"(?<!\S)--[a-z][\w-]*", cmd.split(name, 1)[1])

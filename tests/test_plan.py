@@ -5,6 +5,7 @@ its enumeration ranks every layout of 64 GPUs (its speed: benchmarks/bench_plan.
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -181,7 +182,33 @@ def test_plan_ranks_every_layout_of_64_gpus():
 def test_the_command_prints_a_ranked_table(capsys):
     plan.main(["--model", "llama-1B", "--seq-len", "2048", "--global-batch", "32", "--gpus", "4", "--top", "3"])
     out = capsys.readouterr().out
-    assert "layouts fit" in out and out.count("recipes/train.py --model llama-1B") == 3
+    assert "layouts fit" in out and out.count("meshtron-run --nproc-per-node 4 recipes/train.py --model llama-1B") == 3
+
+
+def test_the_table_adds_up_names_ties_once_and_launches_every_node(capsys):
+    # issue 36, point 6: GiB = state + bf16 + acts; --zero 1 and 2 rows that predict the same are one row;
+    # a multi-node command carries its rendezvous
+    plan.main(["--model", "llama-8B", "--seq-len", "8192", "--global-batch", "64", "--gpus", "16", "--top", "8"])
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.split() and line.split()[0].isdigit()]
+    assert len(rows) == 8
+    for r in rows:
+        assert abs(float(r[3]) - float(r[4]) - float(r[5]) - float(r[6])) <= 0.15, r
+    commands = [" ".join(r[7:]).split("   (the same")[0] for r in rows]
+    assert len(set(commands)) == 8 and "(the same at --zero 2)" in out, out
+    without_zero = [re.sub(r"--zero \d ", "", c) for c, r in zip(commands, rows)]
+    keys = [(r[1], r[3], c) for r, c in zip(rows, without_zero)]
+    assert len(set(keys)) == len(keys), out    # no two rows predict the same for the same layout but --zero
+    assert all("--nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $HEAD_NODE:29500 --rdzv-id "
+               "$JOB_ID recipes/train.py" in c for c in commands)
+
+
+def test_the_planners_help_explains_every_flag_the_columns_and_calibrate(capsys):
+    with pytest.raises(SystemExit):
+        plan.main(["--help"])
+    out = capsys.readouterr().out
+    assert "calibrate" in out and "state" in out and "acts" in out
+    assert all(action.help for action in plan.parser()._actions)
 
 
 @pytest.mark.parametrize("argv,world,ranks", [

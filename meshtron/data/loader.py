@@ -64,10 +64,17 @@ class BatchLoader:
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's part of the next global batch: inputs and targets, (local batch, T)."""
+        return self.next_batch(documents=False)[:2]
+
+    def next_batch(self, documents: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`next`, and each sample's document index of every one of its T + 1 tokens
+        (the inputs' and the last target's; the sample's first document is 0), from
+        the source's document starts (open_data(..., documents=True))."""
         ids = self._samples(self.step)
         self.step += 1
         xy = torch.from_numpy(np.stack([self.data.sample(i, self.seq_len) for i in ids]))
-        return xy[:, :-1], xy[:, 1:]
+        docs = torch.from_numpy(np.stack([self.data.documents(i, self.seq_len) for i in ids])) if documents else None
+        return xy[:, :-1], xy[:, 1:], docs
 
     def state_dict(self) -> dict:
         return {"step": self.step, "global_batch": self.global_batch, "seq_len": self.seq_len, "seed": self.seed}

@@ -67,6 +67,9 @@ def prepare(paths: list[str], prefix: str, tokenizer: str | None = None, workers
     writer = IndexedDatasetWriter(prefix, tok.vocab_size)
     n_docs = n_tokens = 0
     t0 = last = time.monotonic()
+    # a terminal gets one line rewritten each second; a log (a file, a pipe) a whole line each 10 s
+    tty = bool(progress) and progress.isatty()
+    cr, every = ("\r", 1) if tty else ("", 10)
     jobs = ((text, eot) for text in documents(paths, field))
     pool = mp.get_context("spawn").Pool(workers, _init, (tokenizer,)) if workers > 1 else None
     try:
@@ -75,17 +78,17 @@ def prepare(paths: list[str], prefix: str, tokenizer: str | None = None, workers
         for ids in (pool.imap(_encode, jobs, chunksize=16) if pool else map(_encode, jobs)):
             writer.add(ids)
             n_docs, n_tokens = n_docs + 1, n_tokens + len(ids)
-            if progress and time.monotonic() - last > 1:
+            if progress and time.monotonic() - last > every:
                 last = time.monotonic()
-                print(f"\r{n_docs:,} documents, {n_tokens:,} tokens, {n_tokens / (last - t0):,.0f} tokens/s",
-                      end="", file=progress, flush=True)
+                print(f"{cr}{n_docs:,} documents, {n_tokens:,} tokens, {n_tokens / (last - t0):,.0f} tokens/s",
+                      end="" if tty else "\n", file=progress, flush=True)
     finally:
         if pool is not None:
             pool.close()
             pool.join()
         writer.close()
     if progress:
-        print(f"\r{n_docs:,} documents, {n_tokens:,} tokens -> {prefix}.bin, {prefix}.idx "
+        print(f"{cr}{n_docs:,} documents, {n_tokens:,} tokens -> {prefix}.bin, {prefix}.idx "
               f"({time.monotonic() - t0:.1f} s)", file=progress, flush=True)
     return n_docs, n_tokens
 

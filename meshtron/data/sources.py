@@ -134,10 +134,11 @@ def _max_id(tokens: np.ndarray) -> int:
 
 class Tokens:
     """Samples i = tokens[i T : i T + T + 1] of one token stream, in a permutation
-    drawn from (seed, epoch)."""
+    drawn from (seed, epoch). `starts`: the offsets at which its documents begin
+    (document_starts), for `documents`."""
 
-    def __init__(self, tokens: np.ndarray):
-        self.tokens = tokens
+    def __init__(self, tokens: np.ndarray, starts: np.ndarray | None = None):
+        self.tokens, self.starts = tokens, starts
 
     def num_samples(self, seq_len: int) -> int:
         return max(0, (len(self.tokens) - 1) // seq_len)
@@ -149,6 +150,13 @@ class Tokens:
 
     def sample(self, i: int, seq_len: int) -> np.ndarray:
         return np.asarray(self.tokens[i * seq_len:i * seq_len + seq_len + 1], dtype=np.int64)
+
+    def documents(self, i: int, seq_len: int) -> np.ndarray:
+        """Sample i's document index of each of its tokens, its first document 0."""
+        if self.starts is None:
+            raise ValueError("this data carries no document boundaries (open_data(..., documents=True) finds them)")
+        d = np.searchsorted(self.starts, np.arange(i * seq_len, i * seq_len + seq_len + 1), side="right")
+        return d - d[0]
 
 
 class Blend:
@@ -188,6 +196,10 @@ class Blend:
         d, j = i
         return self.parts[int(d)].sample(int(j), seq_len)
 
+    def documents(self, i, seq_len: int) -> np.ndarray:
+        d, j = i
+        return self.parts[int(d)].documents(int(j), seq_len)
+
 
 def is_text(spec: str | None) -> bool:
     """Whether every source of a --data spec (one path or a blend) is text, read
@@ -200,9 +212,28 @@ def is_text(spec: str | None) -> bool:
     return True
 
 
-def open_data(spec: str | None, vocab_size: int, tokenizer: str | None = None):
+def document_starts(source: str | None, tokens: np.ndarray, tokenizer: str | None = None) -> np.ndarray:
+    """The offsets in `tokens` (one source's) at which its documents begin: a Megatron
+    dataset's from its .idx, anything else's just after each end-of-text id (the
+    tokenizer's; bytes' for text read as bytes; a token file needs its --tokenizer)."""
+    if source not in (None, "stdlib") and (exists(source) or (source.endswith(".bin") and exists(source[:-4]))):
+        ds = IndexedDataset(source if exists(source) else source[:-4])
+        first = ds.documents[:-1]
+        offsets = np.append(ds.pointers, len(ds.tokens) * ds.dtype.itemsize)[np.minimum(first, len(ds.pointers))]
+        return offsets // ds.dtype.itemsize
+    if source not in (None, "stdlib") and os.path.splitext(source)[1] in TOKEN_FILE_DTYPES and tokenizer is None:
+        raise ValueError(f"--data {source} is a token file: its documents end at the end-of-text id, which only "
+                         "its --tokenizer knows; give --tokenizer DIR (or use a Megatron dataset, whose .idx "
+                         "lists the documents)")
+    eot = load_tokenizer(tokenizer).eot if tokenizer else ByteTokenizer.eot
+    ends = np.concatenate([np.flatnonzero(c == eot) + i for i, c in _chunks(tokens)] or [np.zeros(0, np.int64)])
+    return np.concatenate([[0], ends + 1]).astype(np.int64)
+
+
+def open_data(spec: str | None, vocab_size: int, tokenizer: str | None = None, documents: bool = False):
     """What the trainer's loader reads: Tokens of one source, or a Blend of
-    "W1 PATH1 W2 PATH2 ..." (Megatron's --data-path). Every id is checked."""
+    "W1 PATH1 W2 PATH2 ..." (Megatron's --data-path). Every id is checked. With
+    `documents`, each source also knows where its documents begin."""
     words = (spec or "").split()
     if len(words) > 1:
         if len(words) % 2:
@@ -214,5 +245,10 @@ def open_data(spec: str | None, vocab_size: int, tokenizer: str | None = None):
         if any(w <= 0 for w in weights):
             raise ValueError(f"--data {spec!r}: blend weights must be positive")
         paths = words[1::2]
-        return Blend(weights, [Tokens(load_tokens(p, vocab_size, tokenizer)) for p in paths], paths)
-    return Tokens(load_tokens(spec, vocab_size, tokenizer))
+        return Blend(weights, [_tokens(p, vocab_size, tokenizer, documents) for p in paths], paths)
+    return _tokens(spec, vocab_size, tokenizer, documents)
+
+
+def _tokens(source: str | None, vocab_size: int, tokenizer: str | None, documents: bool) -> Tokens:
+    tokens = load_tokens(source, vocab_size, tokenizer)
+    return Tokens(tokens, document_starts(source, tokens, tokenizer) if documents else None)

@@ -32,6 +32,7 @@ the CPU; benchmarks/bench_cp.py checks the GPU kernels against float32.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -298,9 +299,12 @@ def ring_attention(q, k, v, group):
 
 # ---- all-gather and all-to-all --------------------------------------------------------
 
-def attention(q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Differentiable attention (mask: True where a query sees a key; None: causal,
-    aligned): SDPA on GPUs, the math path in `_acc` precision elsewhere."""
+def attention(q, k, v, mask=None) -> torch.Tensor:
+    """Differentiable attention (mask: True where a query sees a key, or a FlexAttention
+    BlockMask; None: causal, aligned): SDPA (or FlexAttention) on GPUs, the math
+    path in `_acc` precision elsewhere."""
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        return _flex()(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
     k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
     if q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
@@ -309,6 +313,12 @@ def attention(q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
     if mask is None:
         mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
     return (s.masked_fill(~mask, float("-inf")).softmax(-1) @ v.to(acc)).to(q.dtype)
+
+
+@functools.cache
+def _flex():
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention)   # uncompiled, FlexAttention materialises the scores
 
 
 def prefix_steps(rank: int, cp: int, c: int) -> list[tuple[int, slice, slice, bool]]:
@@ -335,8 +345,10 @@ def allgather_attention(q, k, v, group):
     return _BlockwiseAttention.apply(q, whole(k), whole(v), prefix_steps(rank, cp, c), _Whole())
 
 
-def a2a_attention(q, k, v, group):
-    """Ulysses: heads split over cp for the attention itself."""
+def a2a_attention(q, k, v, group, mask=None):
+    """Ulysses: heads split over cp for the attention itself; `mask` (the whole
+    sequence's, in sequence order: a boolean (B, 1, T, T) or a FlexAttention
+    BlockMask) where packed documents do not see each other."""
     cp = dist.get_world_size(group)
     c = q.shape[2] // 2
     order = natural_order(cp)
@@ -349,7 +361,7 @@ def a2a_attention(q, k, v, group):
         t = t.movedim(0, 2).flatten(2, 3)                                   # (B, H/cp, cp * 2c, d)
         return t.unflatten(2, (2 * cp, c))[:, :, order].flatten(2, 3)
 
-    y = attention(to_heads(q), to_heads(k), to_heads(v))
+    y = attention(to_heads(q), to_heads(k), to_heads(v), mask)
     B, h, T, d = y.shape
     y = y.unflatten(2, (2 * cp, c))[:, :, back].unflatten(2, (cp, 2)).flatten(3, 4)   # (B, H/cp, cp, 2c, d)
     y = all_to_all_single_autograd(y.movedim(2, 0).contiguous(), None, None, group)   # (cp, B, H/cp, 2c, d)
@@ -358,27 +370,48 @@ def a2a_attention(q, k, v, group):
 
 # ---- applying it to a model --------------------------------------------------------
 
+def whole_sequence(t: torch.Tensor, group) -> torch.Tensor:
+    """(B, 2c) of every cp rank's tokens (no gradient: document indices) -> (B, T) in sequence order."""
+    cp = dist.get_world_size(group)
+    parts = [torch.empty_like(t) for _ in range(cp)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    chunks = torch.cat(parts, dim=1).unflatten(1, (2 * cp, t.shape[1] // 2))
+    return chunks[:, natural_order(cp)].flatten(1, 2)
+
+
+def _swap_class(modules: list[nn.Module], prefix: str, forward) -> None:
+    classes = {}
+    for m in modules:
+        cls = type(m)
+        if cls not in classes:
+            classes[cls] = type(f"{prefix}{cls.__name__}", (cls,), {"forward": forward})
+        m.__class__ = classes[cls]
+
+
 def apply_cp(mesh: DeviceMesh, variant: str, cores: list[nn.Module], attentions: list[nn.Module],
-             position_embeddings: list[nn.Module] = ()) -> None:
+             position_embeddings: list[nn.Module] = (), document_masks: list[nn.Module] = ()) -> None:
     """Attention across the cp group for a model whose sequences are sharded by
-    `shard_sequence`: each `cores` module (q, k, v) -> out attends over the whole
-    sequence; each `attentions` module (which applies rotary positions from its
+    `shard_sequence`: each `cores` module (q, k, v[, mask]) -> out attends over the
+    whole sequence; each `attentions` module (which applies rotary positions from its
     `positions` argument) and each learned `position_embeddings` module sees this
-    rank's positions. Model code stays as it is: forwards are swapped from outside."""
+    rank's positions; each `document_masks` module (documents -> mask) builds its
+    mask over the whole sequence, which only the a2a variant attends at once.
+    Model code stays as it is: forwards are swapped from outside."""
     if variant not in VARIANTS:
         raise ValueError(f"--cp-comm must be one of {VARIANTS}, not {variant!r}")
     group = mesh["cp"].get_group()
     cp, rank = mesh["cp"].size(), mesh["cp"].get_local_rank()
-    attend = {"p2p": lambda q, k, v: ring_attention(q, k, v, group),
-              "allgather": lambda q, k, v: allgather_attention(q, k, v, group),
-              "a2a": lambda q, k, v: a2a_attention(q, k, v, group)}[variant]
-    classes = {}
-    for core in cores:
-        cls = type(core)
-        if cls not in classes:
-            classes[cls] = type(f"ContextParallel{cls.__name__}", (cls,), {"forward": lambda self, q, k, v: attend(
-                q, k, v)})
-        core.__class__ = classes[cls]
+
+    def attend(self, q, k, v, mask=None):
+        if variant == "a2a":
+            return a2a_attention(q, k, v, group, mask)
+        if mask is not None:   # Config.validate refuses this first
+            raise ValueError(f"--cp-comm {variant} does not take a document mask: use --cp-comm a2a")
+        return ring_attention(q, k, v, group) if variant == "p2p" else allgather_attention(q, k, v, group)
+
+    _swap_class(cores, "ContextParallel", attend)
+    _swap_class(document_masks, "ContextParallel",
+                lambda self, documents: super(type(self), self).forward(whole_sequence(documents, group)))
 
     def positions(x_len: int, device):
         return local_positions(x_len * cp, cp, rank, device)

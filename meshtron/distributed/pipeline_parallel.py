@@ -223,16 +223,20 @@ class Pipeline:
     def _scaled_loss(self, output, target):
         return self.loss_fn(output, target) * self.loss_scale
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, loss_scale: torch.Tensor | float = 1.0) -> torch.Tensor:
+    def step(self, x: torch.Tensor, y: torch.Tensor, loss_scale: torch.Tensor | float = 1.0,
+             inputs: dict | None = None) -> torch.Tensor:
         """Forward and backward of all micro-batches of the local batch (x, y), each
         micro-batch's loss times `loss_scale`; returns the sum of the scaled losses
-        on the last stage, else 0."""
+        on the last stage, else 0. `inputs`: per-token keyword inputs (B, T) of every
+        stage's forward (packed documents' indices and positions), split into
+        micro-batches with x."""
         self.loss_scale = loss_scale
         losses = []
         # contiguous, as the shapes given to torch are (the loader's are views of longer windows)
         args = (x.contiguous(),) if self.has_first else ()
         kwargs = {"target": y, "losses": losses, **self._step_options} if self.has_last else {}
-        self.schedule.step(*args, **kwargs, **self._ids(x), **self.stage_kwargs)
+        inputs = {k: t.contiguous() for k, t in (inputs or {}).items()}
+        self.schedule.step(*args, **kwargs, **self._ids(x), **inputs, **self.stage_kwargs)
         self.tied.sum_grads(self._by_stage(), reduce_partial_grads)
         losses = [(t.full_tensor() if isinstance(t, DTensor) else t).detach().float() for t in losses]
         return torch.stack(losses).sum() if losses else torch.zeros((), device=x.device)

@@ -224,7 +224,7 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="small sizes and few repeats (tests)")
     a = p.parse_args(argv)
     if "RANK" in os.environ:   # the trainer's rendezvous: under torchrun, or a world of one with no port
-        from meshtron.train.trainer import init_process_group
+        from meshtron.train.lifetime import init_process_group
         init_process_group(600)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
         else torch.device("cpu")

@@ -55,9 +55,10 @@ class Prediction:
     par: ParallelConfig
     micro_batch: int
     microbatches: int
-    memory: float            # bytes on the fullest rank
-    state: float             # of which parameters, gradients, optimizer state
+    memory: float            # bytes on the fullest rank: state + gathered + activations
+    state: float             # fp32 parameters, gradients, optimizer state, as sharded
     activations: float
+    gathered: float          # the unsharded bf16 weights computed with
     step_s: float
     mfu: float
     exposed_comm_s: float
@@ -227,7 +228,7 @@ def predict(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: int,
     bubble = bubble_fraction(par.pp_schedule, d["pp"], microbatches, par.pp_virtual) if d["pp"] > 1 else 0.0
     step = busy / (1 - bubble) + pp_comm + fsdp_exposed
     model_flops = cfg.flops_per_token(seq_len) * tokens * d["dp"] * d["ep"]
-    return Prediction(par, micro_batch, microbatches, memory, state, acts, step,
+    return Prediction(par, micro_batch, microbatches, memory, state, acts, gathered, step,
                       model_flops / (step * n * hw.peak_flops), tp_comm + ep_comm + cp_comm + pp_comm + fsdp_exposed)
 
 
@@ -279,33 +280,75 @@ def plan(model: str, seq_len: int, global_batch: int, gpus: int, gpus_per_node: 
     return fit, over
 
 
+COLUMNS = """columns: step ms and MFU, predicted (bf16, the GPU's calibration); GiB on the fullest rank =
+state (fp32 weights, gradients and AdamW moments as sharded) + bf16 (the unsharded bf16 weights computed with:
+a stage's all under ZeRO 0-2, about one block's under ZeRO 3) + acts (activations in flight). Layouts that
+predict the same in every column and differ only in --zero are one row, the lowest --zero, with the others named.
+
+calibration: `python -m meshtron.plan calibrate --out FILE.json` measures this GPU (matmul efficiency, host
+time, links) and writes a file that --gpu reads (docs/planner.md)."""
+
+
+def _collapse_ties(fit: list[Prediction]) -> list[tuple[Prediction, list[int]]]:
+    """Each prediction with the --zero levels of the next ones that predict the same and differ only in --zero."""
+    rows: list[tuple[Prediction, list[int]]] = []
+    for pr in fit:
+        if rows:
+            kept, same = rows[-1]
+            if (dataclasses.replace(kept.par, zero=pr.par.zero) == pr.par and kept.micro_batch == pr.micro_batch
+                    and math.isclose(kept.step_s, pr.step_s) and math.isclose(kept.memory, pr.memory)):
+                same.append(pr.par.zero)
+                continue
+        rows.append((pr, []))
+    return rows
+
+
+def launch_command(gpus: int, gpus_per_node: int) -> str:
+    """The launcher for `gpus` GPUs: one node, or every node's command (run on each, same endpoint)."""
+    per_node = min(gpus, gpus_per_node)
+    if gpus <= per_node:
+        return f"meshtron-run --nproc-per-node {per_node}"
+    return (f"meshtron-run --nnodes {gpus // per_node} --nproc-per-node {per_node} --rdzv-backend c10d "
+            "--rdzv-endpoint $HEAD_NODE:29500 --rdzv-id $JOB_ID")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m meshtron.plan", description=__doc__.split("\n\n")[0],
+                                epilog=COLUMNS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, choices=tuple(models.PRESETS), help="a registered preset")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per sample")
+    p.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in all")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per machine: tp, cp and ep stay inside one "
+                   "(default %(default)s)")
+    p.add_argument("--gpu", default="h200", help="h200, h100 or a calibration JSON file (default %(default)s)")
+    p.add_argument("--top", type=int, default=15, help="rows to print, fastest first (default %(default)s)")
+    return p
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["calibrate"]:
         from meshtron.planner.calibrate import main as calibrate
         return calibrate(argv[1:])
-    p = argparse.ArgumentParser(prog="python -m meshtron.plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, choices=tuple(models.PRESETS))
-    p.add_argument("--seq-len", type=int, required=True)
-    p.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
-    p.add_argument("--gpus", type=int, required=True)
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--gpu", default="h200", help="h200, h100 or a calibration JSON file")
-    p.add_argument("--top", type=int, default=15)
-    a = p.parse_args(argv)
+    a = parser().parse_args(argv)
     t0 = time.perf_counter()
     fit, over = plan(a.model, a.seq_len, a.global_batch, a.gpus, a.gpus_per_node, a.gpu)
+    rows = _collapse_ties(fit)
     print(f"{a.model}, sequence {a.seq_len}, global batch {a.global_batch}, {a.gpus} x {a.gpu} "
           f"({a.gpus_per_node} per node): {len(fit)} layouts fit, {len(over)} do not "
           f"(planned in {time.perf_counter() - t0:.2f} s)")
-    print(f"{'#':>3} {'step ms':>8} {'MFU':>6} {'GiB':>7} {'state':>7} {'acts':>7}  command")
-    per_node = min(a.gpus, a.gpus_per_node)
-    launch = f"torchrun --nnodes {a.gpus // per_node} " * (a.gpus > per_node) + f"--nproc-per-node {per_node}"
-    launch = launch if a.gpus > per_node else f"torchrun {launch}"
-    for i, pr in enumerate(fit[:a.top], 1):
+    print(f"{'#':>3} {'step ms':>8} {'MFU':>6} {'GiB':>7} {'state':>7} {'bf16':>7} {'acts':>7}  command")
+    launch = launch_command(a.gpus, a.gpus_per_node)
+    for i, (pr, same) in enumerate(rows[:a.top], 1):
+        also = f"   (the same at --zero {', '.join(map(str, same))})" if same else ""
         print(f"{i:>3} {pr.step_s * 1e3:8.1f} {pr.mfu:6.1%} {pr.memory / GiB:7.1f} {pr.state / GiB:7.1f} "
-              f"{pr.activations / GiB:7.1f}  {launch} recipes/train.py "
-              f"--model {a.model} --seq-len {a.seq_len} --global-batch {a.global_batch} --dtype bf16 {pr.flags()}")
+              f"{pr.gathered / GiB:7.1f} {pr.activations / GiB:7.1f}  {launch} recipes/train.py "
+              f"--model {a.model} --seq-len {a.seq_len} --global-batch {a.global_batch} --dtype bf16 {pr.flags()}"
+              + also)
+    if a.gpus > min(a.gpus, a.gpus_per_node):
+        print(f"run the command on each of the {a.gpus // a.gpus_per_node} nodes, with HEAD_NODE the address of "
+              "one of them and JOB_ID any name shared by all")
     if not fit and over:
         best = over[0]
         print(f"nothing fits in {hardware(a.gpu).memory_bytes / GiB:.0f} GiB; the smallest needs "

@@ -344,6 +344,13 @@ def _crc32(path: str) -> int:
 
 
 def _jsonable(config):
+    """A model config as stored: a dataclass (meshtron's), a mapping, or a Hugging Face
+    config (its fields, less the transformers version that wrote it, so that an upgrade
+    still resumes)."""
     if config is None:
         return None
-    return dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
+    if dataclasses.is_dataclass(config):
+        return dataclasses.asdict(config)
+    if hasattr(config, "to_dict"):
+        return {k: v for k, v in config.to_dict().items() if k != "transformers_version"}
+    return dict(config)

@@ -57,7 +57,7 @@ def _writer_info(parts):
     return lead, dist.get_rank()
 
 
-def export_safetensors(parts, path: str, config, adapter=None, *, max_shard_bytes: int = 2 << 30) -> list[str]:
+def export_safetensors(parts, path: str, config=None, adapter=None, *, max_shard_bytes: int = 2 << 30) -> list[str]:
     """Write the model's full tensors to `path` (a directory) as safetensors; with
     a Hugging Face `adapter`, under its names with its config.json (loadable by
     transformers' from_pretrained), else under meshtron's names."""

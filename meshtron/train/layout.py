@@ -13,9 +13,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshtron import models
 from meshtron.config import Config, ConfigError
 from meshtron.distributed.data_parallel import DTYPES
-from meshtron.distributed.mesh import degree, resolve_degrees
+from meshtron.distributed.mesh import degree
 from meshtron.distributed.parallelize import dp_mesh_of
 from meshtron.distributed.pipeline_parallel import Pipeline, check_pipeline, split_model, stage_io
+from meshtron.models.common.moe import moe_blocks, set_aux_grad_scale
 
 
 def batch_layout(par, tr, degrees: dict[str, int]) -> tuple[int, int]:
@@ -39,7 +40,9 @@ def batch_layout(par, tr, degrees: dict[str, int]) -> tuple[int, int]:
 
 def resolve_layout(c: Config, world: int):
     """(spec, model config, degrees, micro-batches, global batch) of a config on
-    `world` ranks, after every check of the layout against the model."""
+    `world` ranks, after every check of the config (Config.validate) and of the
+    layout against the model."""
+    degrees = c.validate(world)
     par, tr = c.parallel, c.training
     # compiled blocks take plain norms and activations: inductor fuses them itself, and
     # the Triton custom ops are opaque to it and slower there (benchmarks/HISTORY.md, first session)
@@ -50,8 +53,10 @@ def resolve_layout(c: Config, world: int):
     else:
         spec, preset = models.get(c.model.model)
         mc = spec.configure(preset, dataclasses.replace(c.model, fused_kernels=fused))
-    degrees = resolve_degrees(world, **par.degrees())
     spec.check_layout(mc, degrees, par, tr.seq_len)
+    if c.data.document_positions and degrees["cp"] > 1 and getattr(mc, "pos_emb", "rope") == "learned":
+        raise ConfigError("--document-positions under context parallelism needs rotary positions (--pos-emb rope): "
+                          "context parallelism gives learned position embeddings the sequence's own positions")
     microbatches, global_batch = batch_layout(par, tr, degrees)
     if degrees["pp"] > 1:
         check_pipeline(par.pp_schedule, degrees["pp"], par.pp_virtual, microbatches, mc.n_layers)
@@ -71,6 +76,7 @@ def build_model(spec, mc, mesh: DeviceMesh, par, microbatches: int) -> tuple[lis
     dp_mesh = dp_mesh_of(mesh, par)   # one for every part: an HSDP mesh is new process groups
     for m in parts:
         spec.parallelize(m, mesh, par, dp_mesh=dp_mesh)
+    set_aux_grad_scale(moe_blocks(parts), degree(mesh, "dense_dp"), microbatches)
     return parts, pipeline
 
 

@@ -13,8 +13,11 @@ makes a save visible by one rename once it is whole.
 `DirectoryLock` is an flock on `<dir>/.lock` for the run's life; the file holds
 the holder's host, pid and start time, for the message that refuses a second run.
 The kernel drops an flock when its holder dies, so a lock whose holder is gone
-is free: the next run takes it and says whose it was. Standard library only:
-nothing here needs torch or a process group.
+is free: the next run takes it and says whose it was.
+
+`init_process_group` starts the default process group with the job's timeout,
+after tying the worker to its agent; `one_line_errors` is a recipe's entry
+point, which turns a user's mistake into one line under torchrun too.
 """
 from __future__ import annotations
 
@@ -29,6 +32,9 @@ import socket
 import sys
 import threading
 import time
+
+import torch
+import torch.distributed as dist
 
 _PR_SET_PDEATHSIG = 1   # <linux/prctl.h>
 
@@ -76,6 +82,32 @@ def _die(agent: int) -> None:
     print(f"meshtron: the torchrun agent (pid {agent}) is gone; this worker (pid {os.getpid()}) stops",
           file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def init_process_group(timeout_s: float) -> None:
+    """The default process group, with our own timeout (a lost peer fails the job,
+    and torchrun --max-restarts restarts it). A world of one outside torchrun
+    meets no one: an in-process store and no port, so one-process runs share a
+    machine. A torchrun worker first ties its life to the agent's (die_with_agent);
+    the agent keeps one store across restarts, so keys are prefixed by attempt:
+    a restarted job must not read the addresses a dead attempt published."""
+    if dist.is_initialized():
+        return
+    backend = "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not under_torchrun():
+        if os.environ.get("WORLD_SIZE", "1") == "1":
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
+        return
+    die_with_agent()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_store and rank == 0, timeout=timeout)
+    store = dist.PrefixStore(f"meshtron/attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 class DirectoryLocked(ValueError):
@@ -151,7 +183,6 @@ def one_line_errors(fn, *args, **kwargs) -> None:
     """A recipe's entry point: fn(*args, **kwargs) in a world of one without torchrun;
     a problem of the user's (ValueError, OSError, KeyError) is one line on stderr,
     printed once (by rank 0 when every rank found it), and exit 1."""
-    import torch.distributed as dist  # here only: the rest of this file needs no torch
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     try:

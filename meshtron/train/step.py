@@ -23,7 +23,7 @@ from meshtron.distributed.data_parallel import autocast_dtype, set_grad_sync
 from meshtron.distributed.mesh import degree
 from meshtron.distributed.pipeline_parallel import Pipeline
 from meshtron.distributed.reduce import clip_grad_norm_, sum_over
-from meshtron.models.common.moe import end_step, moe_blocks
+from meshtron.models.common.moe import SUMMED, RoutingStats, end_step, moe_blocks
 from meshtron.train.loss import IGNORE_INDEX, cross_entropy_sum, forward_kwargs, logits_of, loss_function, output_head
 
 
@@ -32,42 +32,46 @@ def _value(t: torch.Tensor) -> torch.Tensor:
 
 
 def micro_batch_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn,
-                     autocast: torch.dtype | None = None) -> torch.Tensor:
+                     autocast: torch.dtype | None = None, inputs: dict | None = None) -> torch.Tensor:
     """One micro-batch's summed token loss through the whole model (no pipeline):
     its forward under `autocast`, the loss outside it, as the trainer's step and
     evaluation both run it. Only the loss keeps what its backward needs of the
-    logits, so they go once that has run."""
+    logits, so they go once that has run. `inputs`: more per-token keyword inputs
+    of the model's forward, (B, T) like x (packed documents: `documents`, `positions`)."""
     with amp(x.device, autocast):
-        out = logits_of(model(x, **forward_kwargs(loss_fn)))
+        out = logits_of(model(x, **forward_kwargs(loss_fn), **(inputs or {})))
     return loss_fn(out, y)
 
 
 def forward_backward(parts: list[nn.Module], x: torch.Tensor, y: torch.Tensor, mesh: DeviceMesh | None, *,
                      microbatches: int = 1, loss_fn=cross_entropy_sum,
                      zero: int = 1, pipeline: Pipeline | None = None,
-                     autocast: torch.dtype | None = None) -> torch.Tensor:
+                     autocast: torch.dtype | None = None, inputs: dict | None = None) -> torch.Tensor:
     """Forward and backward of one step over this rank's part (x, y) of the global
     batch: `microbatches` in turn, or the pipeline's schedule. Returns the global
     token-mean loss (fp32, detached, the same on every rank); `mesh=None` is one
     process. `zero` is the ZeRO stage FSDP was applied with (what each micro-batch
     communicates); `autocast` runs the forward under torch.autocast (one process's
-    bf16: data_parallel.autocast_dtype; more ranks' bf16 is FSDP's policy)."""
+    bf16: data_parallel.autocast_dtype; more ranks' bf16 is FSDP's policy). `inputs`:
+    per-token keyword inputs of the model, (B, T) like x, split and sharded with it."""
     device = next(parts[0].parameters()).device
     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    inputs = {k: t.to(device, non_blocking=True) for k, t in (inputs or {}).items()}
     if mesh is not None and degree(mesh, "cp") > 1:   # this rank's chunks of every sequence
         x, y = shard_sequence(x, mesh), shard_sequence(y, mesh)
+        inputs = {k: shard_sequence(t, mesh) for k, t in inputs.items()}
     n_tokens = sum_over((y != IGNORE_INDEX).sum().float(), mesh, "loss")
     n_dp = degree(mesh, "dense_dp") if mesh is not None else 1
     scale = n_dp / n_tokens.clamp_min(1)        # FSDP divides the summed gradients by n_dp
-    for moe in moe_blocks(parts):               # each micro-batch's aux loss weighs 1/micro-batches
-        moe.aux_grad_scale = n_dp / (pipeline.microbatches if pipeline is not None else microbatches)
     if pipeline is not None:
-        total = sum_over(pipeline.step(x, y, scale), mesh, "pp")
+        total = sum_over(pipeline.step(x, y, scale, inputs), mesh, "pp")
     else:
         model, total = parts[0], torch.zeros((), device=device)
+        split = [dict(zip(inputs, ts)) for ts in zip(*(t.chunk(microbatches) for t in inputs.values()))] \
+            if inputs else [None] * microbatches
         for i, (xs, ys) in enumerate(zip(x.chunk(microbatches), y.chunk(microbatches))):
             set_grad_sync(model, zero, i == microbatches - 1)
-            loss = micro_batch_loss(model, xs, ys, loss_fn, autocast) * scale
+            loss = micro_batch_loss(model, xs, ys, loss_fn, autocast, split[i]) * scale
             loss.backward()
             total += _value(loss)
     return sum_over(total, mesh, "loss") / n_dp
@@ -82,25 +86,26 @@ def layout_loss(mesh: DeviceMesh, par, device: torch.device, parts: list[nn.Modu
 
 
 def gradients(parts: list[nn.Module], x: torch.Tensor, y: torch.Tensor, mesh: DeviceMesh, pipeline: Pipeline | None,
-              config, microbatches: int, loss_fn) -> tuple[torch.Tensor, torch.Tensor]:
+              config, microbatches: int, loss_fn, inputs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """forward_backward, then the global gradient norm and clipping to --max-norm:
     (loss, norm) as device tensors."""
     par = config.parallel
     loss = forward_backward(parts, x, y, mesh, microbatches=microbatches, loss_fn=loss_fn, zero=par.zero,
-                            pipeline=pipeline, autocast=autocast_dtype(mesh, par.dtype, par.mixed_precision))
+                            pipeline=pipeline, autocast=autocast_dtype(mesh, par.dtype, par.mixed_precision),
+                            inputs=inputs)
     norm_params = pipeline.norm_parameters() if pipeline is not None else None
     norm = clip_grad_norm_([p for m in parts for p in m.parameters()], config.training.max_norm or None,
                            mesh, norm_params)
     return loss, norm
 
 
-def moe_end_step(parts: list[nn.Module], mesh: DeviceMesh) -> torch.Tensor:
+def moe_end_step(parts: list[nn.Module], mesh: DeviceMesh) -> RoutingStats:
     """Expert-bias updates and the step's routing statistics, over every stage."""
     s = end_step(moe_blocks(parts))
     if degree(mesh, "pp") > 1:
         group = mesh["pp"].get_group()
-        sums, worst = s[:3].clone(), s[3:].clone()
+        sums, worst = torch.stack(s[:SUMMED]), torch.stack(s[SUMMED:])
         dist.all_reduce(sums, group=group)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
-        s = torch.cat([sums, worst])
+        s = RoutingStats(*sums, *worst)
     return s

@@ -13,15 +13,10 @@ over the local batch (micro-batches in turn, or the pipeline schedule), clips by
 the global norm and steps the optimizer; logging, metrics and checkpoints
 around it.
 
-Loss and gradients: meshtron/train/step.py.
-
-Test hooks (not on the command line): MESHTRON_EXIT_AFTER=N stops after N steps
-of this run (the schedule still spans --steps); MESHTRON_CRASH_AT_STEP=N kills
-rank 1 at step N on a torchrun job's first attempt (fault-recovery tests).
+Loss and gradients: meshtron/train/step.py. The command line: meshtron/train/cli.py.
 """
 from __future__ import annotations
 
-import datetime
 import math
 import os
 import time
@@ -30,7 +25,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from meshtron import models
 from meshtron.config import Config, ConfigError
 from meshtron.data import BatchLoader, open_data
 from meshtron.data.sources import is_text
@@ -42,39 +36,15 @@ from meshtron.distributed.mesh import batch_slice, degree, init_mesh, world_size
 from meshtron.distributed.pipeline_parallel import Pipeline
 from meshtron.distributed.reduce import sum_over
 from meshtron.distributed.tied import materialize
+from meshtron.models.common.documents import document_inputs
+from meshtron.models.common.moe import RoutingStats
 from meshtron.train import checkpoint, hf
 from meshtron.train.layout import build_model, pipeline_io, resolve_layout
-from meshtron.train.lifetime import DirectoryLock, describe, die_with_agent, one_line_errors, under_torchrun
+from meshtron.train.lifetime import DirectoryLock, describe
 from meshtron.train.loss import IGNORE_INDEX, forward_kwargs
 from meshtron.train.metrics import RunLog, Throughput, peak_memory_gib
 from meshtron.train.optim import build_optimizer, warmup_cosine
 from meshtron.train.step import _value, gradients, layout_loss, micro_batch_loss, moe_end_step
-
-
-def init_process_group(timeout_s: float) -> None:
-    """The default process group, with our own timeout (a lost peer fails the job,
-    and torchrun --max-restarts restarts it). A world of one outside torchrun
-    meets no one: an in-process store and no port, so one-process runs share a
-    machine. A torchrun worker first ties its life to the agent's (lifetime.py);
-    the agent keeps one store across restarts, so keys are prefixed by attempt:
-    a restarted job must not read the addresses a dead attempt published."""
-    if dist.is_initialized():
-        return
-    backend = "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if not under_torchrun():
-        if os.environ.get("WORLD_SIZE", "1") == "1":
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        else:
-            dist.init_process_group(backend, timeout=timeout)
-        return
-    die_with_agent()
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=not agent_store and rank == 0, timeout=timeout)
-    store = dist.PrefixStore(f"meshtron/attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 class Trainer:
@@ -108,10 +78,9 @@ class Trainer:
         """The run's set-up, in order; each line one step of it."""
         c = self.config
         with agree():   # nothing has communicated yet: every problem stops every rank here
-            c.validate(world_size())
-            self.run_log = RunLog(self.rank, c.training.metrics_file, c.training.tensorboard, verbose)
             self.spec, self.model_config, degrees, self.microbatches, self.global_batch = resolve_layout(
-                c, world_size())
+                c, world_size())   # the config, then the layout against the model
+            self.run_log = RunLog(self.rank, c.training.metrics_file, c.training.tensorboard, verbose)
             data = self._open_data()
             # what to resume, read before the directory is locked or cleared: a directory of
             # another model's checkpoints is refused with its files untouched
@@ -138,7 +107,7 @@ class Trainer:
     def _open_data(self) -> tuple:
         """The training tokens and the held-out ones (None without --eval-data)."""
         d, vocab = self.config.data, self.model_config.vocab_size
-        return (open_data(d.data, vocab, d.tokenizer),
+        return (open_data(d.data, vocab, d.tokenizer, documents=self._documents()),
                 open_data(d.eval_data, vocab, d.tokenizer) if d.eval_data else None)
 
     def _build_optimizer(self) -> tuple:
@@ -228,16 +197,31 @@ class Trainer:
         d = self.config.data
         return (os.path.abspath(d.tokenizer) if d.tokenizer else "bytes") if is_text(d.data) else None
 
+    def _documents(self) -> bool:
+        """Whether a step reads the samples' document boundaries (--document-mask and its kin)."""
+        d = self.config.data
+        return d.document_mask or d.document_positions or d.eod_mask_loss
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor, dict | None]:
+        """This rank's next (inputs, targets, the model's per-token keyword inputs)."""
+        if not self._documents():
+            return *self.loader.next(), None
+        d = self.config.data
+        x, y, documents = self.loader.next_batch()
+        y, inputs = document_inputs(documents, y, mask=d.document_mask, positions=d.document_positions,
+                                    eod_mask_loss=d.eod_mask_loss, ignore_index=IGNORE_INDEX)
+        return x, y, inputs
+
     def _param_names(self) -> dict[int, str] | None:
         return self.pipeline.param_names() if self.pipeline is not None else None
 
     # ---- the step ------------------------------------------------------------------
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, x: torch.Tensor, y: torch.Tensor, inputs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step on this rank's part of a global batch; (loss, grad norm)
-        as device tensors (reading them syncs the GPU)."""
+        as device tensors (reading them syncs the GPU). `inputs`: next_batch's."""
         loss, norm = gradients(self.parts, x, y, self.mesh, self.pipeline, self.config, self.microbatches,
-                               self.loss_fn)
+                               self.loss_fn, inputs)
         self.optimizer.step()
         if self.config.parallel.fp8 == "tensorwise":   # the next all-gathers' fp8 scales, in one all-reduce
             precompute_scales(self.parts)
@@ -279,8 +263,9 @@ class Trainer:
     def log(self, line: str) -> None:
         self.run_log.print(line)
 
-    def train(self, exit_after: int | None = None, crash_at_step: int | None = None) -> list[float]:
-        """Train to --steps (or `exit_after` steps of this run); returns the losses."""
+    def train(self, exit_after: int | None = None, on_step=None) -> list[float]:
+        """Train to --steps (or `exit_after` steps of this run); returns the losses.
+        `on_step(step)`, if given, runs before each step (the command line's test hooks)."""
         c, tr, ck = self.config, self.config.training, self.config.checkpoint
         if exit_after is not None and exit_after < 1:
             raise ConfigError(f"exit_after must be at least 1, not {exit_after}")
@@ -292,9 +277,9 @@ class Trainer:
         losses, t_start = [], time.perf_counter()
         last = min(tr.steps, self.start + exit_after) if exit_after else tr.steps
         for step in range(self.start + 1, last + 1):
-            if step == crash_at_step and self.rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-                os._exit(13)   # a rank lost mid-run; torchrun --max-restarts restarts the job
-            loss, norm = self.step(*self.loader.next())
+            if on_step is not None:
+                on_step(step)
+            loss, norm = self.step(*self.next_batch())
             meter.add(self.global_batch * tr.seq_len)
             losses.append(loss)   # a device tensor: reading it every step would sync the GPU
             if step % tr.log_interval == 0 or step == tr.steps or step == self.start + 1:
@@ -349,64 +334,20 @@ class Trainer:
             line += f" | MFU {100 * m['mfu']:.1f}%"
         moe = {}
         if self.moe_stats is not None:
-            aux, dropped, routed, load, own = self.moe_stats.tolist()
-            moe = {"aux_loss": aux, "expert_load_max_over_mean": load, "router_load_max_over_mean": own}
+            st = RoutingStats(*torch.stack(self.moe_stats).tolist())   # one read of the device
+            moe = {"aux_loss": st.aux_loss, "expert_load_max_over_mean": st.load,
+                   "router_load_max_over_mean": st.router_load}
             if self.model_config.moe.balanced:
                 note = " (balanced routing)"
             elif self.model_config.moe.batch_balance:
-                note = f" (router's own {own:.2f})"
+                note = f" (router's own {st.router_load:.2f})"
             else:
                 note = ""
-            line += f" | aux {aux:.4f} | load max/mean {load:.2f}{note}"
+            line += f" | aux {st.aux_loss:.4f} | load max/mean {st.load:.2f}{note}"
             if self.model_config.moe.capacity > 0:
-                moe["dropped_fraction"] = dropped / max(routed, 1.0)
+                moe["dropped_fraction"] = st.dropped / max(st.routed, 1.0)
                 line += f" | dropped {100 * moe['dropped_fraction']:.1f}%"
         if mem is not None:
             line += f" | peak mem {mem:.2f} GiB" + (" (host RSS)" if self.device.type == "cpu" else "")
         self.run_log.record(step, {"loss": loss, "lr": lr, "grad_norm": norm, **moe, **m, "peak_mem_gib": mem},
                             line + f" | eta {eta:,.0f}s")
-
-
-# ---- the command line ------------------------------------------------------------------
-
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value is None:
-        return None
-    if not value.isdigit() or int(value) < 1:
-        raise ConfigError(f"{name}={value!r} must be a positive integer")
-    return int(value)
-
-
-def main(argv=None, *, description: str | None = None, exit_after: int | None = None) -> list[float]:
-    """Parse, build, train; returns the losses. Used by recipes/train.py and tests."""
-    config, args = Config.parse(argv, description, models.PRESETS)
-    if args.dry_run is not None:
-        from meshtron.planner.dry_run import dry_run  # the planner and the fake process group, only when asked
-        ranks = None if args.dry_run_ranks is None else [int(r) for r in args.dry_run_ranks.split(",")]
-        dry_run(config, args.dry_run, ranks)
-        return []
-    created = not dist.is_initialized()
-    init_process_group(config.training.pg_timeout)
-    try:
-        if exit_after is None:
-            exit_after = _env_int("MESHTRON_EXIT_AFTER")
-        trainer = Trainer(config)
-        try:
-            losses = trainer.train(exit_after=exit_after, crash_at_step=_env_int("MESHTRON_CRASH_AT_STEP"))
-        finally:
-            trainer.close()
-    except BaseException as e:
-        # every rank stopped at the same check: no teardown can wait on a lost peer
-        if created and getattr(e, "all_ranks", False):
-            dist.destroy_process_group()
-        raise
-    if created:   # a caller (a test) may start another world in this process
-        dist.destroy_process_group()
-    return losses
-
-
-def run(argv=None, description: str | None = None) -> None:
-    """The recipe's entry point: a world of one without torchrun (no port: see
-    init_process_group); a problem is one line on stderr (lifetime.one_line_errors)."""
-    one_line_errors(main, argv, description=description)

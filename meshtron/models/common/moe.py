@@ -30,14 +30,16 @@ parallelism swaps in one that moves tokens by all-to-all, from outside).
 
 Statistics of the step (token counts per expert, the aux loss, tokens dropped)
 are buffers; `end_step` reads them after the optimizer step and moves the
-expert bias. The trainer sets `aux_grad_scale` before each step: the factor the
-layout's gradient reduction divides by, over the micro-batches of the step
-(each micro-batch's aux loss weighs 1/micro-batches, as in Megatron).
+expert bias. The aux loss's gradient is scaled by `aux_grad_scale`, which the
+layout sets once (set_aux_grad_scale): the factor the layout's gradient
+reduction divides by, over the micro-batches of a step (each micro-batch's aux
+loss weighs 1/micro-batches, as in Megatron).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -294,12 +296,31 @@ class MoE(nn.Module):
         return out.view(B, T, dim)
 
 
+class RoutingStats(NamedTuple):
+    """A step's routing over every MoE block, as device scalars (reading one waits for the GPU)."""
+    aux_loss: torch.Tensor      # summed over blocks, mean over micro-batches
+    dropped: torch.Tensor       # expert copies dropped by capacity, per micro-batch
+    routed: torch.Tensor        # expert copies routed, per micro-batch
+    load: torch.Tensor          # max over blocks of the busiest expert's copies over the mean, as run
+    router_load: torch.Tensor   # the same of the router's own choice (before batch balancing)
+
+
+SUMMED = 3   # RoutingStats' first fields add over pipeline stages; the others take the maximum
+
+
 def moe_blocks(parts) -> list[MoE]:
     return [m for part in parts for m in part.modules() if isinstance(m, MoE)]
 
 
+def set_aux_grad_scale(blocks: list[MoE], n_dp: int, microbatches: int) -> None:
+    """Part of the layout, set with it: each micro-batch's aux loss weighs 1/microbatches
+    of the step, and the gradient reduction divides by the n_dp data-parallel ranks."""
+    for m in blocks:
+        m.aux_grad_scale = n_dp / microbatches
+
+
 @torch.no_grad()
-def end_step(blocks: list[MoE]) -> torch.Tensor:
+def end_step(blocks: list[MoE]) -> RoutingStats:
     """After the optimizer step: move each expert's bias towards equal loads of the
     router's own choice, by bias_update x (1 - load / mean load), from the step's
     token counts over every rank; keep them in `last_step`; reset the statistics.
@@ -307,21 +328,20 @@ def end_step(blocks: list[MoE]) -> torch.Tensor:
     overshoots near balance, where the router's logits differ by little (early in
     training), and catches up slowly with a collapsed start; the proportional step
     does neither.
-    Returns this rank's [aux loss (summed over blocks, mean over micro-batches),
-    dropped copies, routed copies, max over blocks of the load's max/mean, the same
-    of the router's own choice], on the device (reading it waits for the GPU)."""
+    Returns this rank's RoutingStats."""
     out = torch.zeros(5, device=blocks[0].calls.device if blocks else None)
     for m in blocks:
         load, own = m.tokens_per_expert, m.own_per_expert
         if m.cfg.bias_update > 0 and not m.cfg.balanced:
             step = m.cfg.bias_update * (1 - own / own.mean().clamp_min(1e-9))
             m.router.expert_bias += step - step.mean()   # centred: only differences select
-        out[:3] += torch.stack([m.aux_loss_sum, m.dropped, load.sum()]) / m.calls.clamp_min(1)
-        out[3:] = torch.maximum(out[3:], torch.stack([x.max() / x.mean().clamp_min(1e-9) for x in (load, own)]))
+        out[:SUMMED] += torch.stack([m.aux_loss_sum, m.dropped, load.sum()]) / m.calls.clamp_min(1)
+        worst = torch.stack([x.max() / x.mean().clamp_min(1e-9) for x in (load, own)])
+        out[SUMMED:] = torch.maximum(out[SUMMED:], worst)
         m.last_step.copy_(torch.stack([load, own]))
         for b in (m.tokens_per_expert, m.own_per_expert, m.aux_loss_sum, m.dropped, m.calls):
             b.zero_()
-    return out
+    return RoutingStats(*out)
 
 
 def step_loads(blocks: list[MoE]) -> torch.Tensor:

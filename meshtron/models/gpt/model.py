@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from meshtron.models.common.documents import DocumentMask, masked_attention
 from meshtron.models.common.init import fill, normal
 from meshtron.models.common.moe import MoE, MoEConfig, init_moe, moe_param_count
 
@@ -133,7 +134,9 @@ class LinearGeLU(nn.Linear):
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    angles = positions.float()[:, None] * inv_freq[None, :]      # (T, hd/2)
+    angles = positions.float().unsqueeze(-1) * inv_freq      # (T, hd/2), or (B, T, hd/2) per sample
+    if angles.dim() == 3:
+        angles = angles.unsqueeze(1)                            # over the heads
     return angles.cos(), angles.sin()
 
 
@@ -152,10 +155,12 @@ class CoreAttention(nn.Module):
         super().__init__()
         self.dropout = dropout
 
-    def forward(self, q, k, v):
+    def forward(self, q, k, v, mask=None):
+        dropout = self.dropout if self.training else 0.0
+        if mask is not None:   # packed documents that do not see each other (models/common/documents.py)
+            return masked_attention(q, k, v, mask, dropout)
         # causal over the whole sequence, or one new token attending to every cached one
-        return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1,
-                                              dropout_p=self.dropout if self.training else 0.0)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, dropout_p=dropout)
 
 
 class Attention(nn.Module):
@@ -168,7 +173,8 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
+                mask=None) -> torch.Tensor:
         B, T = x.shape[0], x.shape[1]      # the full sequence: under SP the input was all-gathered
         if positions is None:
             positions = torch.arange(T, device=x.device)
@@ -179,7 +185,7 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:    # generation: a whole prompt first, then one token at a time
             k, v = cache.update(k, v)
-        y = self.core(q, k, v)
+        y = self.core(q, k, v, mask)
         y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_dropout(self.proj(y))
 
@@ -203,8 +209,8 @@ class Block(nn.Module):
         self.mlp_norm = LayerNorm(cfg.dim, cfg.norm_eps, cfg.bias, cfg.fused_kernels)
         self.mlp = MoE(cfg.dim, cfg.moe) if cfg.moe else MLP(cfg)
 
-    def forward(self, h, positions=None, cache=None):
-        h = h + self.attn(self.attn_norm(h), positions, cache=cache)
+    def forward(self, h, positions=None, cache=None, mask=None):
+        h = h + self.attn(self.attn_norm(h), positions, cache=cache, mask=mask)
         return h + self.mlp(self.mlp_norm(h))
 
 
@@ -218,20 +224,23 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm = LayerNorm(cfg.dim, cfg.norm_eps, cfg.bias, cfg.fused_kernels)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.document_mask = DocumentMask(dense=cfg.dropout > 0)   # FlexAttention has no dropout
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         if seed is not None and self.output.weight.device.type != "meta":
             self.init_weights(seed)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
-                return_hidden: bool = False) -> torch.Tensor:
+                return_hidden: bool = False, documents: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, vocab), or with `return_hidden` the
         final (normed) hidden states, for a loss that runs the head itself
         (meshtron.train.loss.FusedLoss). A pipeline stage that lost
         its embedding takes hidden states (B, T, dim) instead (T may be a sequence-
         parallel slice, so positions default to 0..T-1 where the full T is known);
         one that lost its output returns hidden states. `cache` (a KVCache) keeps
-        keys and values for generation; `positions` are then the new tokens'."""
+        keys and values for generation; `positions` are then the new tokens'.
+        `documents` (B, T): each token's document in a packed sample, which it attends
+        within (models/common/documents.py); `positions` may then be (B, T), per document."""
         h = tokens
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(tokens)
@@ -239,8 +248,9 @@ class GPT(nn.Module):
                 pos = positions if positions is not None else torch.arange(tokens.shape[1], device=tokens.device)
                 h = h + self.pos_embeddings(pos)
             h = self.emb_dropout(h)
+        mask = self.document_mask(documents) if documents is not None else None   # once, for every layer
         for i, layer in self.layers.items():
-            h = layer(h, positions, cache=cache.layer(int(i)) if cache is not None else None)
+            h = layer(h, positions, cache=cache.layer(int(i)) if cache is not None else None, mask=mask)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None and not return_hidden:

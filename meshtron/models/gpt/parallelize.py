@@ -42,7 +42,7 @@ def tp_plan(model: nn.Module, sp: bool, loss_parallel: bool, moe: bool = False) 
     norm = SequenceParallel() if sp else ReplicateParallel()
     plan = {
         "tok_embeddings": vocab_parallel(sp),
-        "pos_embeddings": ReplicateParallel(output_shard_dim=0 if sp else None),
+        "pos_embeddings": ReplicateParallel(output_shard_dim=-2 if sp else None),   # (T, dim) or (B, T, dim)
         "layers.*.attn_norm": norm,
         "layers.*.attn": PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)),
         "layers.*.attn.qkv": ColwiseParallel(),
@@ -97,7 +97,8 @@ def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig
         apply_tp(model, mesh, parallel, moe)
     if degree(mesh, "cp") > 1:
         apply_cp(mesh, parallel.cp_comm, cores=[b.attn.core for b in blocks], attentions=[b.attn for b in blocks],
-                 position_embeddings=[model.pos_embeddings] if model.pos_embeddings is not None else [])
+                 position_embeddings=[model.pos_embeddings] if model.pos_embeddings is not None else [],
+                 document_masks=[model.document_mask])
     apply_recompute(blocks, parallel.recompute)
     if parallel.compile:
         apply_compile(blocks, compile_options(parallel))

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from meshtron.models.common.documents import DocumentMask, masked_attention
 from meshtron.models.common.init import fill, normal
 from meshtron.models.common.moe import MoE, MoEConfig, init_moe, moe_param_count
 
@@ -143,7 +144,9 @@ class CoreAttention(nn.Module):
     """softmax(q k^T / sqrt(d) + causal mask) v with grouped-query heads: a module
     of its own so that layouts can replace it (context parallelism)."""
 
-    def forward(self, q, k, v):
+    def forward(self, q, k, v, mask=None):
+        if mask is not None:   # packed documents that do not see each other (models/common/documents.py)
+            return masked_attention(q, k, v, mask)
         groups = q.shape[1] // k.shape[1]   # each KV head serves `groups` query heads
         # SDPA reads shared K/V heads itself in its flash kernels (CUDA bf16/fp16, and
         # the CPU); CUDA's fp32 path would fall back to the math kernel: repeat there
@@ -166,19 +169,22 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
+                mask=None) -> torch.Tensor:
         B, T = x.shape[0], x.shape[1]      # the full sequence: under SP the input was all-gathered
         if positions is None:
             positions = torch.arange(T, device=x.device)
         q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)    # (B, local heads, T, hd)
         k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)    # (B, local KV heads, T, hd)
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        angles = positions.float()[:, None] * self.inv_freq[None, :]
+        angles = positions.float().unsqueeze(-1) * self.inv_freq     # (T, hd/2), or (B, T, hd/2) per sample
+        if angles.dim() == 3:
+            angles = angles.unsqueeze(1)                               # over the heads
         cos, sin = angles.cos(), angles.sin()
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:    # generation: a whole prompt first, then one token at a time
             k, v = cache.update(k, v)
-        y = self.core(q, k, v)
+        y = self.core(q, k, v, mask)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -208,8 +214,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_kernels)
         self.feed_forward = MoE(cfg.dim, cfg.moe) if cfg.moe else FeedForward(cfg)
 
-    def forward(self, h, positions=None, cache=None):
-        h = h + self.attention(self.attention_norm(h), positions, cache=cache)
+    def forward(self, h, positions=None, cache=None, mask=None):
+        h = h + self.attention(self.attention_norm(h), positions, cache=cache, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -221,21 +227,25 @@ class Llama(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_kernels)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.document_mask = DocumentMask()
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         if seed is not None and self.output.weight.device.type != "meta":
             self.init_weights(seed)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
-                return_hidden: bool = False) -> torch.Tensor:
+                return_hidden: bool = False, documents: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, vocab); a pipeline stage without the
         embedding takes hidden states, one without the head returns them. `cache`
         (a KVCache) keeps keys and values for generation; `positions` are then
         the new tokens'. `return_hidden`: the final (normed) hidden states instead
-        of the logits, for a loss that runs the head itself (meshtron.train.loss.FusedLoss)."""
+        of the logits, for a loss that runs the head itself (meshtron.train.loss.FusedLoss).
+        `documents` (B, T): each token's document in a packed sample, which it attends
+        within (models/common/documents.py); `positions` may then be (B, T), per document."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        mask = self.document_mask(documents) if documents is not None else None   # once, for every layer
         for i, layer in self.layers.items():
-            h = layer(h, positions, cache=cache.layer(int(i)) if cache is not None else None)
+            h = layer(h, positions, cache=cache.layer(int(i)) if cache is not None else None, mask=mask)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None and not return_hidden else h

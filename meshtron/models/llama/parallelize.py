@@ -77,6 +77,17 @@ def tp_plan(model: nn.Module, sp: bool, loss_parallel: bool, moe: bool = False, 
     return {k: v for k, v in plan.items() if any(matches(k, n) for n in present)}
 
 
+def apply_tp(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig, moe: list[nn.Module] = ()) -> None:
+    tp_mesh, sp = tp_mesh_of(mesh), parallel.sp
+    # FP8's and async TP's styles, and the MoE blocks' routing, work on DTensors: those keep DTensor blocks
+    local = parallel.fp8 == "none" and not parallel.async_tp and not moe
+    plan = fp8_tp_plan(tp_plan(model, sp, parallel.loss_parallel, bool(moe), local), model, mesh, parallel)
+    parallelize_module(model, tp_mesh, async_tp.apply(plan, tp_mesh, parallel), leave=moe)
+    if sp:
+        cast_output_to_autocast_dtype([m for n, m in model.named_modules()
+                                       if n == "norm" or n.endswith(("attention_norm", "ffn_norm"))])
+
+
 # linears that stay in the compute dtype under --fp8: the head feeds the loss, routers are fp32
 FP8_SKIP = ("output", "layers.*.feed_forward.router.*")
 
@@ -90,18 +101,10 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConf
     if moe:
         expert_parallel.apply_moe(moe, mesh)
     if degree(mesh, "tp") > 1:
-        tp_mesh = tp_mesh_of(mesh)
-        # FP8's and async TP's styles, and the MoE blocks' routing, work on DTensors: those keep DTensor blocks
-        local = parallel.fp8 == "none" and not parallel.async_tp and not moe
-        plan = fp8_tp_plan(tp_plan(model, parallel.sp, parallel.loss_parallel, bool(moe), local), model, mesh,
-                           parallel)
-        parallelize_module(model, tp_mesh, async_tp.apply(plan, tp_mesh, parallel), leave=moe)
-        if parallel.sp:
-            cast_output_to_autocast_dtype([m for n, m in model.named_modules()
-                                           if n == "norm" or n.endswith(("attention_norm", "ffn_norm"))])
+        apply_tp(model, mesh, parallel, moe)
     if degree(mesh, "cp") > 1:
         apply_cp(mesh, parallel.cp_comm, cores=[b.attention.core for b in blocks],
-                 attentions=[b.attention for b in blocks])
+                 attentions=[b.attention for b in blocks], document_masks=[model.document_mask])
     apply_recompute(blocks, parallel.recompute)
     if parallel.compile:
         apply_compile(blocks, compile_options(parallel))

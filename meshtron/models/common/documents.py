@@ -1,0 +1,106 @@
+"""Packed documents that do not see each other.
+
+A sample packs documents back to back (Megatron's GPTDataset way). With a
+document mask a token attends only to the tokens before it in its own document
+(Megatron's --reset-attention-mask, torchtitan's block_causal), and with
+per-document positions the rotary (or learned) positions restart at each
+document's start (--reset-position-ids). The loader gives each token its
+document's index within the sample (meshtron.data.BatchLoader.next_batch);
+`document_inputs` turns that into what the model's forward takes.
+
+The mask is built once per forward and reused by every layer: on CUDA a
+FlexAttention BlockMask (blocks that the mask empties are skipped), elsewhere a
+dense boolean (B, 1, T, T) for scaled_dot_product_attention, which computes
+exactly what the GPU does, so the CPU tests check the masking itself.
+`DocumentMask` is the module that builds it, so that a layout that shards the
+sequence (context parallelism) can build it over the whole sequence instead.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def positions_in_documents(documents: torch.Tensor) -> torch.Tensor:
+    """(B, T) document indices -> (B, T) each token's position within its document."""
+    idx = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
+    first = torch.ones_like(documents, dtype=torch.bool)
+    first[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return idx - torch.where(first, idx, 0).cummax(dim=1).values
+
+
+def document_inputs(documents: torch.Tensor, y: torch.Tensor, *, mask: bool, positions: bool,
+                    eod_mask_loss: bool, ignore_index: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """documents (B, T + 1): each token of the samples' windows (inputs then the last
+    target) -> (targets, the model's per-token keyword inputs). eod_mask_loss: no loss
+    where a document's last token would predict the next document's first."""
+    docs = documents[:, :-1]
+    if eod_mask_loss:
+        y = y.masked_fill(documents[:, 1:] != docs, ignore_index)
+    inputs = {}
+    if mask:
+        inputs["documents"] = docs
+    if positions:
+        inputs["positions"] = positions_in_documents(docs)
+    return y, inputs
+
+
+def dense_mask(q_docs: torch.Tensor, k_docs: torch.Tensor, q_pos: torch.Tensor | None = None,
+               k_pos: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, 1, Tq, Tk): True where a query sees a key, causally within its document.
+    Positions (B, T) in the sequence default to 0..T-1."""
+    q_pos = torch.arange(q_docs.shape[1], device=q_docs.device) if q_pos is None else q_pos
+    k_pos = torch.arange(k_docs.shape[1], device=k_docs.device) if k_pos is None else k_pos
+    causal = q_pos.unsqueeze(-1) >= k_pos.unsqueeze(-2)
+    return ((q_docs.unsqueeze(-1) == k_docs.unsqueeze(-2)) & causal).unsqueeze(1)
+
+
+@functools.cache
+def _flex():
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention)   # uncompiled, FlexAttention materialises the scores
+
+
+def block_mask(documents: torch.Tensor):
+    """A FlexAttention BlockMask of `documents` (B, T), causal within each document."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_document_causal(b, h, q, k):
+        return (documents[b, q] == documents[b, k]) & (q >= k)
+    B, T = documents.shape
+    return create_block_mask(same_document_causal, B, None, T, T, device=documents.device)
+
+
+def document_mask(documents: torch.Tensor, dense: bool = False):
+    """The mask every attention core of one forward takes: a BlockMask on CUDA (unless
+    `dense`: an attention with dropout), else the dense boolean."""
+    if documents.is_cuda and not dense:
+        return block_mask(documents)
+    return dense_mask(documents, documents)
+
+
+def masked_attention(q, k, v, mask, dropout_p: float = 0.0) -> torch.Tensor:
+    """Attention of (B, H, T, hd) q over (B, H_kv, T, hd) k, v under a document mask
+    (document_mask's); grouped-query K/V as they are."""
+    gqa = q.shape[1] != k.shape[1]
+    if isinstance(mask, torch.Tensor):
+        if gqa and q.is_cuda:   # CUDA's masked kernels take K/V with the query heads
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+            gqa = False
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
+    return _flex()(q, k, v, block_mask=mask, enable_gqa=gqa)
+
+
+class DocumentMask(nn.Module):
+    """documents (B, T) -> the mask of one forward (document_mask). A module of its own,
+    without parameters, so that a layout can replace how it is built."""
+
+    def __init__(self, dense: bool = False):
+        super().__init__()
+        self.dense = dense
+
+    def forward(self, documents: torch.Tensor):
+        return document_mask(documents, self.dense)

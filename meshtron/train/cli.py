@@ -1,0 +1,78 @@
+"""The training command line: recipes/train.py's entry point.
+
+    python recipes/train.py --model tiny --steps 20                     # a world of one
+    torchrun --nproc-per-node 4 recipes/train.py --dp 2 --tp 2 --steps 50
+
+`run` parses the flags (meshtron.config), starts the process group, trains
+(meshtron/train/trainer.py) and reports any problem of the user's as one line
+(lifetime.one_line_errors). `--dry-run` hands the config to the planner instead.
+
+Test hooks (environment, not flags): MESHTRON_EXIT_AFTER=N stops after N steps
+of this run (the schedule still spans --steps); MESHTRON_CRASH_AT_STEP=N kills
+rank 1 at step N on a torchrun job's first attempt (fault-recovery tests).
+"""
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+
+from meshtron import models
+from meshtron.config import Config, ConfigError
+from meshtron.train.lifetime import init_process_group, one_line_errors
+from meshtron.train.trainer import Trainer
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"{name}={value!r} must be a positive integer")
+    return int(value)
+
+
+def _crash_hook(rank: int):
+    """MESHTRON_CRASH_AT_STEP: rank 1 lost mid-run, once; torchrun --max-restarts restarts the job."""
+    at = _env_int("MESHTRON_CRASH_AT_STEP")
+    if at is None or rank != 1 or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return None
+
+    def hook(step: int) -> None:
+        if step == at:
+            os._exit(13)
+    return hook
+
+
+def main(argv=None, *, description: str | None = None, exit_after: int | None = None) -> list[float]:
+    """Parse, build, train; returns the losses. Used by recipes/train.py and tests."""
+    config, args = Config.parse(argv, description, models.PRESETS)
+    if args.dry_run is not None:
+        from meshtron.planner.dry_run import dry_run  # the planner and the fake process group, only when asked
+        ranks = None if args.dry_run_ranks is None else [int(r) for r in args.dry_run_ranks.split(",")]
+        dry_run(config, args.dry_run, ranks)
+        return []
+    created = not dist.is_initialized()
+    init_process_group(config.training.pg_timeout)
+    try:
+        if exit_after is None:
+            exit_after = _env_int("MESHTRON_EXIT_AFTER")
+        trainer = Trainer(config)
+        try:
+            losses = trainer.train(exit_after=exit_after, on_step=_crash_hook(dist.get_rank()))
+        finally:
+            trainer.close()
+    except BaseException as e:
+        # every rank stopped at the same check: no teardown can wait on a lost peer
+        if created and getattr(e, "all_ranks", False):
+            dist.destroy_process_group()
+        raise
+    if created:   # a caller (a test) may start another world in this process
+        dist.destroy_process_group()
+    return losses
+
+
+def run(argv=None, description: str | None = None) -> None:
+    """The recipe's entry point: a world of one without torchrun (no port: see
+    init_process_group); a problem is one line on stderr (lifetime.one_line_errors)."""
+    one_line_errors(main, argv, description=description)
