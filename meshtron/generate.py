@@ -79,7 +79,7 @@ def _one_checkpoint(path: str) -> str:
     return path
 
 
-def _tokenizer(args):
+def _tokenizer(args, meta: dict | None):
     """--tokenizer; else the Hugging Face directory's own, or the one the checkpoint's
     training text was read with (the byte tokenizer for checkpoints that record none).
     A tokenizer other than the one the checkpoint trained with is refused where the
@@ -88,7 +88,6 @@ def _tokenizer(args):
     if args.hf:
         return load_tokenizer(args.tokenizer or (
             args.hf if os.path.isfile(os.path.join(args.hf, "tokenizer.json")) else "bytes"))
-    meta = checkpoint.validate(args.checkpoint, verify_crc=False)
     trained = meta.get("tokenizer", "bytes")     # checkpoints before the record: the old default
     if trained is None and args.tokenizer is None:
         raise ValueError(f"{args.checkpoint} was trained on token ids (its tokenizer is not recorded): pass "
@@ -102,15 +101,16 @@ def _tokenizer(args):
     return tokenizer
 
 
-def load(args, device: torch.device):
+def load(args, device: torch.device, meta: dict | None = None):
     """(model, model config, spec), built on the meta device, parallelized over tp,
-    then given the weights of a Hugging Face directory or a meshtron checkpoint."""
+    then given the weights of a Hugging Face directory or a meshtron checkpoint
+    (`meta`: its record, checkpoint.validate's)."""
     mesh = init_mesh(dp=1, tp=args.tp, device_type=device.type)
     with agree():
         if args.hf:
             spec, cfg = models.from_hf(args.hf)
         else:
-            spec, cfg = models.from_checkpoint(checkpoint.validate(args.checkpoint))
+            spec, cfg = models.from_checkpoint(meta or checkpoint.validate(args.checkpoint, verify_crc=False))
         spec.check_layout(cfg, dict(dp=1, pp=1, cp=1, tp=args.tp, ep=1), ParallelConfig(tp=args.tp), 1)
         with torch.device("meta"):
             model = spec.model_cls(cfg, seed=None)
@@ -145,15 +145,17 @@ def main(argv=None) -> list[int]:
     args = p.parse_args(argv)
     if (args.prompt is None) == (args.prompt_ids is None):
         p.error("give one of --prompt and --prompt-ids")
-    if args.checkpoint:
+    meta = None
+    if args.checkpoint:   # its record, read once here; checkpoint.load checks every file's CRC
         args.checkpoint = _one_checkpoint(args.checkpoint)
+        meta = checkpoint.validate(args.checkpoint, verify_crc=False)
     init_process_group(600)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     tokenizer = None
     if args.prompt is not None or not args.print_ids:   # text in or out
-        tokenizer = _tokenizer(args)
+        tokenizer = _tokenizer(args, meta)
     prompt = [int(t) for t in args.prompt_ids.split(",")] if args.prompt_ids else tokenizer.encode(args.prompt)
-    model, cfg, _ = load(args, device)
+    model, cfg, _ = load(args, device, meta)
     out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, eos=args.eos if args.eos is not None or args.prompt_ids else tokenizer.eot,
                    seed=args.seed,

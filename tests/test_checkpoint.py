@@ -42,11 +42,21 @@ def test_exact_resume(pools, tmp_path, layout):
     assert first + second == straight          # bit for bit in float32 on the CPU
 
 
-@pytest.mark.parametrize("target", ["tp4", "dp4-zero1", "pp2-dp2", "single"])
-def test_resharding_on_load(pools, tmp_path, target):
+@pytest.fixture(scope="module")
+def dp2_tp2_run(pools, tmp_path_factory):
+    """The 3-D run straight through, and a copy of it saved at step 3: every target resumes the same save."""
+    saved = tmp_path_factory.mktemp("dp2-tp2-zero3")
     straight = run(pools, "dp2-tp2-zero3")
-    run(pools, "dp2-tp2-zero3", "--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3", exit_after=3)
-    after = run(pools, target, "--checkpoint-dir", str(tmp_path), "--resume", "auto", "--checkpoint-interval", "100")
+    run(pools, "dp2-tp2-zero3", "--checkpoint-dir", str(saved), "--checkpoint-interval", "3", exit_after=3)
+    return straight, saved
+
+
+@pytest.mark.parametrize("target", ["tp4", "dp4-zero1", "pp2-dp2", "single"])
+def test_resharding_on_load(pools, tmp_path, dp2_tp2_run, target):
+    straight, saved = dp2_tp2_run
+    shutil.copytree(saved, tmp_path / "ck")
+    after = run(pools, target, "--checkpoint-dir", str(tmp_path / "ck"), "--resume", "auto",
+                "--checkpoint-interval", "100")
     assert after == pytest.approx(straight[3:], rel=1e-5), (after, straight[3:])
     if target == "single":   # and the straight 3-D run is one process' run
         assert straight == pytest.approx(run(pools, "single"), rel=1e-5)

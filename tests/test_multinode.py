@@ -41,14 +41,3 @@ def test_two_nodes_meet_at_one_rendezvous(pools, tmp_path, flags):
     losses = two_nodes(flags, str(tmp_path / "m.jsonl"))
     one = pools.run(1, train, ARGS + ["--micro-batch", "8"])[0]
     assert losses == pytest.approx(one, rel=1e-5)
-
-
-@pytest.mark.parametrize("flags", [[], ["--pp", "2", "--tp", "1"]], ids=["dp2xtp2", "dp2xpp2"])
-def test_the_own_model_example_runs_as_written(flags):
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                          os.path.join(ROOT, "recipes", "own_model.py"), *flags],
-                         env=dict(os.environ, OMP_NUM_THREADS="1"),
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    losses = [float(line.split("loss ")[1].split()[0]) for line in out.stdout.splitlines() if line.startswith("step")]
-    assert len(losses) == 4 and losses[-1] < losses[0] - 0.5, out.stdout

@@ -101,3 +101,17 @@ def test_no_lower_package_imports_up_into_train_or_planner():
           for name, path in known.items() if name.split(".")[1:2] and name.split(".")[1] in LOWER}
     assert not {k: v for k, v in up.items() if v}, up
     assert "meshtron.models" in up and "meshtron.distributed.pipeline_parallel" in up   # the walk saw them
+
+
+def test_the_trainers_file_holds_the_trainer_only():
+    # issue 36: the process group's helper is lifetime.py's, the command line cli.py's
+    tree = ast.parse(open(os.path.join(PKG, "train", "trainer.py")).read())
+    defined = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    assert defined == ["Trainer"], defined
+
+
+def test_importing_meshtron_and_a_transformers_model_prints_nothing():
+    # issue 36: torchao's CPU-machine load messages, once per rank, whenever transformers loads a model class
+    out = subprocess.run([sys.executable, "-c", "import meshtron; from transformers import LlamaForCausalLM"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout == "" and out.stderr == "", out.stderr

@@ -82,7 +82,7 @@ def _packed_vs_one_by_one(rank, world, model, degrees, pcfg_kwargs):
     x, y, inputs = packed_batch()
     ref = build()
     ref_loss, ref_grads = one_by_one(ref, x, y, inputs["documents"])
-    if world == 1:
+    if not degrees:
         solo = build()
         loss = forward_backward([solo], x, y, None, inputs=inputs)
         parts = [solo]
@@ -120,17 +120,57 @@ LAYOUTS = {"dp2": (2, dict(dp=2), dict(zero=3)),
            "tp2 sp": (2, dict(dp=1, tp=2), dict(sp=True)),
            "pp2": (2, dict(dp=1, pp=2), {}),
            "cp2 a2a": (2, dict(dp=1, cp=2), dict(cp_comm="a2a")),
-           "dp2 x tp2 sp": (4, dict(dp=2, tp=2), dict(sp=True, zero=3))}
+           "dp2 x tp2 sp": (4, dict(dp=2, tp=2), dict(sp=True, zero=3)),
+           "dp2 full recompute": (2, dict(dp=2), dict(recompute="full")),
+           "tp2 sp selective recompute": (2, dict(dp=1, tp=2), dict(sp=True, recompute="selective"))}
 
 
-@pytest.mark.parametrize("model", ["llama", "gpt"])
-@pytest.mark.parametrize("name", LAYOUTS)
+# the GPT where it differs from the Llama: learned positions sharded over the sequence under SP, a tied
+# head across pipeline stages, rotary positions of its own under cp
+GPT_LAYOUTS = ("tp2 sp", "pp2", "cp2 a2a")
+
+
+@pytest.mark.parametrize("model,name", [("llama", n) for n in LAYOUTS] + [("gpt", n) for n in GPT_LAYOUTS])
 def test_packed_under_a_layout_equals_one_by_one(pools, model, name):
     world, degrees, extra = LAYOUTS[name]
     if model == "gpt" and degrees.get("cp", 1) > 1:   # learned positions under cp: refused (test below)
         model = "gpt-rope"
     for loss, grad, n in pools.run(world, _packed_vs_one_by_one, model, degrees, extra):
         assert loss < TOL and grad < TOL and n > 0, (name, loss, grad)
+
+
+def test_compiled_blocks_take_the_mask(pools):
+    # the mask is an input of every compiled block (a BlockMask on GPUs, here the dense one)
+    loss, grad, n = pools.run(1, _packed_vs_one_by_one, "llama", dict(dp=1), dict(compile=True), timeout=600)[0]
+    assert loss < TOL and grad < 1e-5 and n > 0, (loss, grad)
+
+
+def _fp8_packed(rank, world):
+    """FP8 (torchao's emulation) at dp2 against one FP8 process on the same packed batch,
+    each rank's samples one of its micro-batches: fp8's scales see a micro-batch's
+    tokens, so one document alone would be scaled otherwise."""
+    from meshtron.distributed import float8
+    from meshtron.models.llama.parallelize import FP8_SKIP
+    x, y, inputs = packed_batch()
+    ref = Llama(LLAMA, seed=0)
+    float8.convert(ref, "tensorwise", "cpu", skip=FP8_SKIP)
+    ref_loss = float(forward_backward([ref], x, y, None, microbatches=2, inputs=inputs))
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    me, pcfg = mesh(dp=2), ParallelConfig(dp=2, zero=3, fp8="tensorwise")
+    model = Llama(LLAMA, seed=0)
+    LLAMA_SPEC.parallelize(model, me, pcfg)
+    float8.precompute_scales([model])
+    index, count = batch_slice(me)
+    loss = forward_backward([model], x.chunk(count)[index], y.chunk(count)[index], me, zero=3,
+                            inputs={k: t.chunk(count)[index] for k, t in inputs.items()})
+    worst = max(rel_err(full(p.grad), ref_grads[n].float()) for n, p in model.named_parameters())
+    return abs(float(loss) - ref_loss) / ref_loss, worst
+
+
+def test_fp8_takes_the_mask(pools):
+    pytest.importorskip("torchao.float8")
+    for loss, grad in pools.run(2, _fp8_packed):
+        assert loss < 1e-5 and grad < 1e-5, (loss, grad)
 
 
 def test_packed_moe_under_expert_parallelism_equals_one_by_one(pools):
@@ -181,10 +221,14 @@ def _metrics_losses(pools, world, argv, path):
     return [json.loads(line)["loss"] for line in path.read_text().splitlines() if '"loss"' in line]
 
 
+@pytest.fixture(scope="module")
+def one_process_losses(pools, tmp_path_factory):
+    return _metrics_losses(pools, 1, ARGS, tmp_path_factory.mktemp("one") / "m.jsonl")
+
+
 @pytest.mark.parametrize("flags,world", [(["--dp", "2"], 2), (["--pp", "2"], 2), (["--cp", "2", "--cp-comm", "a2a"], 2),
                                          (["--dp", "2", "--tp", "2", "--sp"], 4)],
                          ids=["dp2", "pp2", "cp2-a2a", "dp2xtp2-sp"])
-def test_recipe_losses_with_document_masks_equal_one_process(pools, tmp_path, flags, world):
-    one = _metrics_losses(pools, 1, ARGS, tmp_path / "one.jsonl")
-    many = _metrics_losses(pools, world, ARGS + flags, tmp_path / "many.jsonl")
-    assert len(one) == 6 and many == pytest.approx(one, rel=1e-5)
+def test_recipe_losses_with_document_masks_equal_one_process(pools, tmp_path, one_process_losses, flags, world):
+    many = _metrics_losses(pools, world, ARGS + flags, tmp_path / "m.jsonl")
+    assert len(one_process_losses) == 6 and many == pytest.approx(one_process_losses, rel=1e-5)

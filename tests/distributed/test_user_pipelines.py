@@ -151,7 +151,9 @@ def test_pp2_matches_one_process(pools, kind):
     print(f"{kind} pp2: loss {worst.loss:.2g} grad {worst.grad:.2g} param {worst.param:.2g}")
 
 
-@pytest.mark.parametrize("kind", MODELS)
+# FSDP on each stage does not depend on the architecture (the split, which does, is the pp2 test's for
+# every model): a tied Llama, GPT-2's Conv1D and tied head, and Gemma2's soft-capping and sliding windows
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "gemma2"])
 def test_pp2_x_dp2_matches_one_process(pools, kind):
     worst = assert_parity(pools.run(4, _pp, kind, 2), TOL)
     print(f"{kind} pp2 x dp2: loss {worst.loss:.2g} grad {worst.grad:.2g} param {worst.param:.2g}")
