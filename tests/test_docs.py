@@ -283,6 +283,7 @@ PROGRAMS = {  # how a command line names a program -> how to ask it for its help
     "benchmarks/bench_plan.py": "benchmarks/bench_plan.py",
     "benchmarks/bench_cp.py": "benchmarks/bench_cp.py",
     "benchmarks/bench_moe.py": "benchmarks/bench_moe.py",
+    "benchmarks/bench_documents.py": "benchmarks/bench_documents.py",
     "benchmarks/bench_kernels.py": "benchmarks/bench_kernels.py",
     "benchmarks/bench_async_tp.py": "benchmarks/bench_async_tp.py",
     "benchmarks/bench_fused_loss.py": "benchmarks/bench_fused_loss.py",

@@ -17,6 +17,7 @@ samples. Every token id is checked once, at load, to be below the vocabulary.
 """
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import sysconfig
@@ -39,20 +40,39 @@ def _bytes(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8)
 
 
-def stdlib_tokens(max_bytes: int = 8 << 20) -> np.ndarray:
-    """The standard library's sources in sorted path order, up to max_bytes, as byte tokens."""
+def stdlib_sources(root: str) -> list[str]:
+    """The standard library's *.py files under `root`, sorted: not site-packages (walked
+    past, not into: it can hold far more than the library itself), nor a top-level name
+    with "test" in it, nor hidden files (as glob's `**/*.py` skips them)."""
+    paths = []
+    for d, dirs, files in os.walk(root):
+        top = d == root
+        dirs[:] = [x for x in dirs if x != "site-packages" and not x.startswith(".") and not (top and "test" in x)]
+        paths += [os.path.join(d, f) for f in files
+                  if f.endswith(".py") and not f.startswith(".") and not (top and "test" in f)]
+    return sorted(paths)
+
+
+@functools.cache
+def _stdlib_tokens(max_bytes: int) -> np.ndarray:
     root = sysconfig.get_paths()["stdlib"]
     docs, total = [], 0
-    for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
-        if "site-packages" in path or "test" in os.path.relpath(path, root).split(os.sep)[0]:
-            continue
+    for path in stdlib_sources(root):
         with open(path, "rb") as f:
             data = f.read()
         docs.append(_bytes(data))
         total += len(data)
         if total >= max_bytes:
             break
-    return _documents_to_tokens(docs, ByteTokenizer.eot)
+    tokens = _documents_to_tokens(docs, ByteTokenizer.eot)
+    tokens.flags.writeable = False   # one array per process, shared by every run in it
+    return tokens
+
+
+def stdlib_tokens(max_bytes: int = 8 << 20) -> np.ndarray:
+    """The standard library's sources in sorted path order, up to max_bytes, as byte
+    tokens (read once per process)."""
+    return _stdlib_tokens(max_bytes)
 
 
 def text_tokens(path: str, tokenizer=None) -> np.ndarray:
