@@ -33,7 +33,8 @@ def run(pools, layout, *extra, exit_after=None):
     return pools.run(world, _train, COMMON + flags + list(extra), exit_after, timeout=300)[0]
 
 
-@pytest.mark.parametrize("layout", ["dp2-zero3", "tp2-sp", "pp2"])
+# dp2 x tp2 + SP resumes under every other layout in test_resharding_on_load
+@pytest.mark.parametrize("layout", ["dp2-zero3", "pp2"])
 def test_exact_resume(pools, tmp_path, layout):
     straight = run(pools, layout)
     first = run(pools, layout, "--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3", exit_after=3)
