@@ -18,7 +18,7 @@ from meshtron.data.sources import document_starts, open_data
 from meshtron.data.tokenizer import ByteTokenizer
 from meshtron.distributed.mesh import batch_slice
 from meshtron.models import GPT, gpt_config
-from meshtron.models.common.documents import dense_mask, document_inputs, positions_in_documents
+from meshtron.models.common.documents import block_mask, dense_mask, document_inputs, positions_in_documents
 from meshtron.models.common.moe import MoEConfig
 from meshtron.models.gpt import SPEC as GPT_SPEC
 from meshtron.models.llama import SPEC as LLAMA_SPEC
@@ -108,6 +108,40 @@ def test_positions_restart_and_the_mask_stays_in_each_document():
     m = dense_mask(documents, documents)[0, 0]
     assert m[4].tolist() == [False, False, False, True, True, False, False, False]
     assert m.sum() == 6 + 3 + 6
+
+
+def _documents_of(rng, batch: int, seq: int, mean: float) -> torch.Tensor:
+    """(batch, seq) document indices, lengths 1 + Exp(mean), in order as a loader gives them."""
+    lengths = [1 + rng.exponential(mean, size=seq).astype(np.int64) for _ in range(batch)]
+    return torch.from_numpy(np.stack([np.repeat(np.arange(seq), n)[:seq] for n in lengths]))
+
+
+def test_the_block_mask_from_document_ranges_is_create_block_masks():
+    # the GPU's BlockMask, built from each block's document range instead of every score entry: the same
+    # blocks, full and partial, in the same order (the one-by-one tests below run the dense mask here)
+    from torch.nn.attention.flex_attention import create_block_mask
+    rng = np.random.default_rng(0)
+    for seq, mean in ((256, 3.0), (512, 40.0), (1024, 300.0), (1024, 5000.0), (384, 90.0)):
+        documents = _documents_of(rng, 2, seq, mean)
+        ours = block_mask(documents)
+        ref = create_block_mask(lambda b, h, q, k, d=documents: (d[b, q] == d[b, k]) & (q >= k), 2, None, seq, seq,
+                                device="cpu")
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                     "q_indices", "full_q_num_blocks", "full_q_indices"):
+            assert torch.equal(getattr(ours, name), getattr(ref, name)), (seq, mean, name)
+
+
+def test_flex_attention_under_the_block_mask_is_the_dense_masks():
+    # documents interleaved (no loader makes these): the block ranges overlap without sharing a document
+    from torch.nn.attention.flex_attention import flex_attention
+    g = torch.Generator().manual_seed(0)
+    documents = torch.randint(0, 3, (2, 256), generator=g)
+    q = torch.randn(2, 4, 256, 16, generator=g)
+    k, v = (torch.randn(2, 2, 256, 16, generator=g) for _ in range(2))
+    out = flex_attention(q, k, v, block_mask=block_mask(documents), enable_gqa=True)
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                         attn_mask=dense_mask(documents, documents))
+    assert rel_err(out, ref) < 1e-6
 
 
 @pytest.mark.parametrize("model", MODELS)

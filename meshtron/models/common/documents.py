@@ -64,14 +64,39 @@ def _flex():
     return torch.compile(flex_attention)   # uncompiled, FlexAttention materialises the scores
 
 
+BLOCK = 128   # FlexAttention's sparse block (its default): the mask's granularity
+
+
 def block_mask(documents: torch.Tensor):
-    """A FlexAttention BlockMask of `documents` (B, T), causal within each document."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    """A FlexAttention BlockMask of `documents` (B, T), causal within each document.
+
+    Which blocks of BLOCK x BLOCK scores to visit comes from each block's lowest and
+    highest document index, O((T / BLOCK)^2): create_block_mask would evaluate the
+    mask at all T^2 pairs (at 64K tokens, tensors of 4 GiB each). A query block
+    visits a key block at or before it whose document range meets its own (a
+    superset of the blocks with a visible pair: the mask itself decides inside); the
+    block is full (the mask not evaluated) only below the diagonal with one document
+    on both sides."""
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
     def same_document_causal(b, h, q, k):
         return (documents[b, q] == documents[b, k]) & (q >= k)
     B, T = documents.shape
-    return create_block_mask(same_document_causal, B, None, T, T, device=documents.device)
+    if T % BLOCK:
+        return create_block_mask(same_document_causal, B, None, T, T, device=documents.device)
+    blocks = documents.view(B, T // BLOCK, BLOCK)
+    lo, hi = blocks.amin(-1), blocks.amax(-1)                         # (B, n)
+    i = torch.arange(T // BLOCK, device=documents.device)
+    qlo, qhi, klo, khi = lo[:, :, None], hi[:, :, None], lo[:, None, :], hi[:, None, :]   # [b, q block, kv block]
+    visit = (i[:, None] >= i[None, :]) & (khi >= qlo) & (klo <= qhi)
+    full = (i[:, None] > i[None, :]) & (qlo == qhi) & (klo == khi) & (qlo == klo)
+
+    def ordered(dense):   # create_block_mask's layout: per query block, the count, then the visited blocks first
+        dense = dense.to(torch.int32).unsqueeze(1)                     # (B, 1 head for all, n, n)
+        return (dense.sum(-1).to(torch.int32).contiguous(),
+                torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32).contiguous())
+    return BlockMask.from_kv_blocks(*ordered(visit & ~full), *ordered(full), BLOCK_SIZE=BLOCK,
+                                    mask_mod=same_document_causal, seq_lengths=(T, T))
 
 
 def document_mask(documents: torch.Tensor, dense: bool = False):

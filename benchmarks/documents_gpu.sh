@@ -1,0 +1,133 @@
+#!/bin/bash
+# Packed documents on four GPUs of one host (issue 37), every side of each comparison in one call.
+#
+#   OUT=$OUT bash benchmarks/documents_gpu.sh            (device call with carry [".peer"])
+#
+# Data: the torchtitan kit's c4_test (the Python standard library's sources, one document a
+# JSON line) in the kit's tokenizer, as a Megatron dataset (built here if .peer/c4_idx lacks it);
+# both trainers read it in file order, torchtitan through its own loader of the same JSON.
+# Stage A, four one-GPU jobs side by side (CUDA_VISIBLE_DEVICES):
+#   GPU 0  bench_documents.py --check (flex against one by one and the dense path), then
+#          --attention (attention alone, each variant), then meshtron llama-617M at 64K on one
+#          GPU with the mask, 3 steps (its losses against cp=4's), then --attention --autotune
+#   GPU 1  meshtron llama-1B 2 x 8192 causal, then torchtitan 0.2.2 causal (sdpa) on the same shape
+#   GPU 2  meshtron llama-1B --document-mask (FlexAttention), then the varlen experiment
+#   GPU 3  torchtitan flex + block_causal (flavor meshtron_llama1b_flex)
+# Stage B, four GPUs: llama-617M at 64K, cp=4 Ulysses (a2a), causal then --document-mask.
+# Env: PARTS="A B" (stages to run)  TT_STEPS=20  T_MT=150 T_TT=240 T_CP=100 (timeouts, s)  A_DEADLINE=300
+set -u
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+KIT=$ROOT/.peer
+SITE=${SITE:-/tmp/site}
+OUT=${OUT:-/tmp/documents}
+PARTS=${PARTS:-"A B"}
+TT_STEPS=${TT_STEPS:-20}
+T_MT=${T_MT:-150}
+T_TT=${T_TT:-240}
+T_CP=${T_CP:-100}
+A_DEADLINE=${A_DEADLINE:-300}   # stage A's seconds: the second job on a GPU gets what is left of them
+PY=${PY:-python3}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
+export PYTORCH_ALLOC_CONF=expandable_segments:True PYTHONPATH=$ROOT
+DATA=$KIT/c4_idx/c4_test
+RUN="$PY -m torch.distributed.run --standalone"
+M1="--model llama-1B --untie-embeddings --seq-len 8192 --micro-batch 2 --global-batch 2 --data $DATA --compile"
+M617="--model llama-617M --seq-len 65536 --micro-batch 1 --global-batch 1 --data $DATA"
+
+nvidia-smi -L
+$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
+if [ ! -f "$DATA.idx" ]; then
+  mkdir -p "$(dirname "$DATA")"
+  $PY -m meshtron.data.prepare "$KIT/data/c4_test/data.json" --output-prefix "$DATA" --tokenizer "$KIT/tokenizer" \
+    --workers 8 || exit 1
+fi
+
+mt() {  # GPU NAME [bench flags] -- [recipe flags]: meshtron's step, one GPU
+  local gpu=$1 name=$2
+  shift 2
+  echo "=== [gpu $gpu] meshtron $name: $*"
+  CUDA_VISIBLE_DEVICES=$gpu timeout -k 20 "$T_MT" $RUN --nproc-per-node 1 benchmarks/bench_documents.py --train \
+    --out "$OUT" "$@" > "$OUT/mt_$name.log" 2>&1
+  echo "=== [gpu $gpu] meshtron $name rc=$?: $(grep -c '"step_ms"' "$OUT/mt_$name.log") result line(s)"
+  grep -E "Error|error:|OutOfMemory" "$OUT/mt_$name.log" | grep -vi warn | tail -3 | cut -c1-300
+}
+
+tt() {  # GPU NAME FLAVOR: torchtitan 0.2.2, llama-1B 2 x 8192, compiled, one GPU
+  local gpu=$1 name=$2 flavor=$3
+  local cmd="$RUN --nproc-per-node 1 --local-ranks-filter 0 -m torchtitan.train --job.config_file
+    $ROOT/benchmarks/torchtitan/llama_1b.toml --model.flavor $flavor --experimental.custom_import documents_flavors
+    --model.hf_assets_path $KIT/tokenizer --training.dataset_path $KIT/data/c4_test --job.dump_folder /tmp/tt_out/$name
+    --training.steps $TT_STEPS --metrics.log_freq 5 --training.seq_len 8192 --training.local_batch_size 2 --compile.enable"
+  echo "=== [gpu $gpu] torchtitan $name: $cmd" | tr -s ' \n' ' '
+  echo
+  while [ ! -f /tmp/tt_installed ]; do sleep 2; done
+  CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH=$SITE:$KIT/shim:$ROOT/benchmarks/torchtitan timeout -k 20 "$T_TT" $cmd \
+    > "$OUT/tt_$name.log" 2>&1
+  echo "=== [gpu $gpu] torchtitan $name rc=$?"
+  grep -E "step: *[0-9]+ +loss" "$OUT/tt_$name.log" | sed 's/^.*INFO - //' | tail -4
+  grep -E "Error|error:|OutOfMemory" "$OUT/tt_$name.log" | grep -vi warn | tail -3 | cut -c1-300
+}
+
+if [[ " $PARTS " == *" A "* ]]; then
+  rm -f /tmp/tt_installed
+  t0=$(date +%s)
+  left() {   # what the second jobs may take (at least 1 s: `timeout 0` would mean none)
+    local l=$(( t0 + A_DEADLINE - $(date +%s) ))
+    [ "$l" -lt 1 ] && l=1
+    echo "$l"
+  }
+  ( CUDA_VISIBLE_DEVICES=0 timeout -k 10 120 $PY benchmarks/bench_documents.py --check --data "$DATA" \
+      > "$OUT/check.log" 2>&1; echo "=== [gpu 0] check rc=$?"; grep -v -i warn "$OUT/check.log" | tail -9
+    CUDA_VISIBLE_DEVICES=0 timeout -k 10 150 $PY benchmarks/bench_documents.py --attention --data "$DATA" --out "$OUT" \
+      > "$OUT/attention.log" 2>&1; echo "=== [gpu 0] attention rc=$?"; grep -v -i warn "$OUT/attention.log" | tail -18
+    T_MT=$(left) mt 0 617m_1gpu_flex --warmup 3 --rounds 0 -- $M617 --document-mask
+    [ "$(left)" -gt 30 ] && CUDA_VISIBLE_DEVICES=0 timeout -k 10 "$(left)" $PY benchmarks/bench_documents.py --attention \
+      --autotune --data "$DATA" --out "$OUT/autotune" > "$OUT/autotune.log" 2>&1
+    echo "=== [gpu 0] autotune rc=$?"; grep -E "max-autotune|SDPA causal|block ranges \(built once\)" "$OUT/autotune.log" ) &
+  ( mt 1 causal -- $M1; T_TT=$(left) tt 1 causal meshtron_llama1b ) &
+  ( mt 2 flex -- $M1 --document-mask; T_MT=$(left) mt 2 varlen --experiment varlen -- $M1 --document-mask ) &
+  ( STAMP=$(cd "$KIT/whl" && ls *.whl | md5sum | cut -c1-12)
+    if [ "$(cat "$SITE/.tt3_stamp" 2>/dev/null)" != "$STAMP" ]; then
+      $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$KIT"/whl/*.whl \
+        && echo "$STAMP" > "$SITE/.tt3_stamp"
+    fi
+    touch /tmp/tt_installed
+    tt 3 flex meshtron_llama1b_flex ) &
+  wait
+  echo "=== stage A: $(( $(date +%s) - t0 )) s"
+fi
+
+if [[ " $PARTS " == *" B "* ]]; then
+  for v in causal flex; do
+    flags=""; [ $v = flex ] && flags="--document-mask"
+    echo "=== cp4 a2a $v"
+    timeout -k 20 "$T_CP" $RUN --nproc-per-node 4 benchmarks/bench_documents.py --train --out "$OUT" \
+      --warmup 3 --window 3 --rounds 3 -- $M617 --cp 4 --cp-comm a2a $flags > "$OUT/cp4_$v.log" 2>&1
+    echo "=== cp4 a2a $v rc=$?: $(grep -c '"step_ms"' "$OUT/cp4_$v.log") result line(s)"
+    grep -E "Error|error:|OutOfMemory" "$OUT/cp4_$v.log" | grep -vi warn | tail -3 | cut -c1-300
+  done
+fi
+
+echo "=== results (documents.jsonl)"
+$PY - "$OUT" <<'PYEOF'
+import json, os, re, statistics, sys
+out = sys.argv[1]
+rows = [json.loads(l) for l in open(os.path.join(out, "documents.jsonl"))] if os.path.exists(os.path.join(out, "documents.jsonl")) else []
+for r in rows:
+    print(f"{r['model']:10s} w{r['world']} {r['experiment'] or '':7s} {'mask' if '--document-mask' in r['flags'] else 'causal':6s} "
+          f"step {r['step_ms']:8.1f} ms rounds {[round(x, 1) for x in r['step_ms_rounds']]} tok/s/GPU {r['tokens_per_s_per_gpu']:9,.0f} "
+          f"MFU {100 * (r['mfu'] or 0):5.1f}% peak {r['peak_mem_gib']:.1f}/{r['peak_reserved_gib']:.1f} GiB kept {r['kept_causal_share']} "
+          f"mean doc {r['mean_doc_tokens_in_timed_samples']} losses {r['losses'][:3]}..{r['losses'][-2:]}")
+for name in ("causal", "flex"):
+    p = os.path.join(out, f"tt_{name}.log")
+    if not os.path.exists(p):
+        continue
+    lines = [l for l in open(p) if re.search(r"step: *\d+ +loss", l)]
+    tps = [float(re.search(r"tps: *([\d,]+)", l).group(1).replace(",", "")) for l in lines if "tps" in l]
+    mem = [re.search(r"memory: *([\d.]+)GiB", l) for l in lines]
+    print(f"torchtitan {name}: tps windows {tps}, median of the last three {statistics.median(tps[-3:]) if len(tps) >= 3 else None}, "
+          f"memory {[m.group(1) for m in mem if m]}")
+PYEOF
