@@ -223,27 +223,48 @@ def attention_case(device, name: str, documents: torch.Tensor, H: int, KV: int, 
         run("flex, create_block_mask (built each call)", lambda: backward(masked_attention(q, k, v, old())), share,
             old)
     new = lambda: block_mask(documents)   # noqa: E731
-    run("flex, block ranges (built each call)", lambda: backward(masked_attention(q, k, v, new())), share, new)
+    run("flex as shipped (mask built each call)", lambda: backward(masked_attention(q, k, v, new())), share, new)
     bm = new()
-    run("flex, block ranges (built once)", lambda: backward(_flex()(q, k, v, block_mask=bm, enable_gqa=H != KV)),
-        share)
-    if args.autotune:   # torchtitan 0.2.2's FlexAttentionWrapper options
+    run("flex as shipped (mask built once)", lambda: backward(masked_attention(q, k, v, bm)), share)
+    run("flex, torch's default tiles (mask built once)",
+        lambda: backward(_flex()(q, k, v, block_mask=bm, enable_gqa=H != KV)), share)
+    if args.autotune and T <= 16384:   # torchtitan 0.2.2's FlexAttentionWrapper options
         tuned = torch.compile(flex_attention, options={"max_autotune": True, "coordinate_descent_tuning": True,
                                                        "triton.cudagraphs": False})
         t0 = time.perf_counter()
-        run("flex max-autotune, block ranges (built once)",
+        run("flex max-autotune (mask built once)",
             lambda: backward(tuned(q, k, v, block_mask=bm, enable_gqa=H != KV)), share)
         print(f"    (max-autotune compile and timing: {time.perf_counter() - t0:.0f} s)")
     varlen = _varlen()
     if varlen is not None:
         vmask = varlen_mask(documents)
         qv, kv_, vv = (t.detach().requires_grad_() for t in (q, k, v))
-        run("flash varlen (cu_seqlens built each call)",
-            lambda: backward(varlen_attention(varlen, qv, kv_, vv, varlen_mask(documents))), share,
-            lambda: varlen_mask(documents))
         run("flash varlen (cu_seqlens built once)", lambda: backward(varlen_attention(varlen, qv, kv_, vv, vmask)),
             share)
+    if T > 16384:   # the tiles differ at llama-1B's heads; fp32 flex at 64K takes its slowest tiles
+        return rows
+    # the shipped tiles compute what torch's default ones do: each against the fp32 flex result
+    ref = [t.float().detach().requires_grad_() for t in (q, k, v)]
+    outs = {"fp32": _grads(lambda a, b, c: _flex()(a, b, c, block_mask=bm, enable_gqa=H != KV), ref)}
+    lo = [t.detach().requires_grad_() for t in (q, k, v)]
+    outs["default tiles"] = _grads(lambda a, b, c: _flex()(a, b, c, block_mask=bm, enable_gqa=H != KV), lo)
+    outs["shipped"] = _grads(lambda a, b, c: masked_attention(a, b, c, bm), lo)
+    for label in ("default tiles", "shipped"):
+        errs = [float((x.float() - r).norm() / r.norm()) for x, r in zip(outs[label], outs["fp32"])]
+        print(f"  bf16 {label:14s} against fp32: out {errs[0]:.2e}, dq {errs[1]:.2e}, dk {errs[2]:.2e}, "
+              f"dv {errs[3]:.2e}")
+        rows.append(dict(case=name, variant=f"accuracy, {label}", rel_err_out_dq_dk_dv=errs))
     return rows
+
+
+def _grads(attend, inputs) -> list[torch.Tensor]:
+    """attend's output and the gradients of its inputs under a fixed random output gradient."""
+    for t in inputs:
+        t.grad = None
+    out = attend(*inputs)
+    g = torch.randn(out.shape, device=out.device, generator=torch.Generator(out.device).manual_seed(1))
+    out.backward(g.to(out.dtype))
+    return [out.detach().float()] + [t.grad.float() for t in inputs]
 
 
 def attention(device, args) -> list[dict]:
@@ -316,8 +337,8 @@ def train(args, recipe_flags: list[str]) -> dict:
     init_process_group(600)
     world = dist.get_world_size()
     steps = args.warmup + args.rounds * args.window
-    config = Config.from_args(["--dtype", "bf16", "--lr", "1e-4", "--no-shuffle", "--steps", str(steps + 1)]
-                              + recipe_flags, models=models.PRESETS)
+    config = Config.from_args(["--dtype", "bf16", "--lr", "1e-4", "--no-shuffle",
+                               "--steps", str(steps + args.profile_steps + 1)] + recipe_flags, models=models.PRESETS)
     trainer = Trainer(config, verbose=False)
     device = trainer.device
     T, gb = config.training.seq_len, trainer.global_batch
@@ -343,6 +364,12 @@ def train(args, recipe_flags: list[str]) -> dict:
         sync()
         rounds.append((time.perf_counter() - t0) / args.window)
     step_s = statistics.median(rounds) if rounds else float("nan")
+    prof = None
+    if args.profile_steps:   # kernel time by kind over further steps (bench_train's profile)
+        from bench_train import profile
+        tag = f"{config.model.model}_w{world}_{'mask' if config.data.document_mask else 'causal'}{args.experiment}"
+        prof = profile(lambda i: trainer.step(*trainer.next_batch()), args.profile_steps, device,
+                       os.path.join(args.out, f"profile_{tag}_r{dist.get_rank()}.txt"))
     mem = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
     reserved = torch.cuda.max_memory_reserved(device) / 2**30 if cuda else float("nan")
     worst = torch.tensor([0.0 if rounds == [] else step_s, mem, reserved], dtype=torch.float64, device=device)
@@ -365,6 +392,8 @@ def train(args, recipe_flags: list[str]) -> dict:
                   timed_steps=f"{args.warmup + 1}-{steps}", kept_causal_share=kept(documents) if documents is not None
                   else None, mean_doc_tokens_in_timed_samples=None, losses=losses,
                   device=torch.cuda.get_device_name(device) if cuda else "cpu", torch=torch.__version__)
+    if prof is not None:
+        result["profile"] = prof
     if documents is not None:
         lengths = torch.cat([torch.unique_consecutive(d, return_counts=True)[1] for d in documents])
         result["mean_doc_tokens_in_timed_samples"] = float(lengths.double().mean())   # pieces cut at sample edges
@@ -395,6 +424,7 @@ def main():
     p.add_argument("--warmup", type=int, default=5, help="--train: steps before timing (compilation)")
     p.add_argument("--window", type=int, default=5, help="--train: steps per timed round")
     p.add_argument("--rounds", type=int, default=3, help="--train: timed rounds (median)")
+    p.add_argument("--profile-steps", type=int, default=0, help="--train: then profile this many steps")
     p.add_argument("--experiment", default="", help=f"--train: comma list of {list(EXPERIMENTS)} (measurements only)")
     p.add_argument("--out", default=".", help="where --train and --attention write their JSON lines")
     args, rest = p.parse_known_args()

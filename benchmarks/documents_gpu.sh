@@ -8,13 +8,16 @@
 # both trainers read it in file order, torchtitan through its own loader of the same JSON.
 # Stage A, four one-GPU jobs side by side (CUDA_VISIBLE_DEVICES):
 #   GPU 0  bench_documents.py --check (flex against one by one and the dense path), then
-#          --attention (attention alone, each variant), then meshtron llama-617M at 64K on one
-#          GPU with the mask, 3 steps (its losses against cp=4's), then --attention --autotune
-#   GPU 1  meshtron llama-1B 2 x 8192 causal, then torchtitan 0.2.2 causal (sdpa) on the same shape
-#   GPU 2  meshtron llama-1B --document-mask (FlexAttention), then the varlen experiment
+#          --attention --autotune (attention alone, each variant)
+#   GPU 1  meshtron llama-1B 2 x 8192 causal (then 2 steps profiled), then torchtitan 0.2.2
+#          causal (sdpa) on the same shape
+#   GPU 2  meshtron llama-1B --document-mask (FlexAttention; then 2 steps profiled)
 #   GPU 3  torchtitan flex + block_causal (flavor meshtron_llama1b_flex)
-# Stage B, four GPUs: llama-617M at 64K, cp=4 Ulysses (a2a), causal then --document-mask.
-# Env: PARTS="A B" (stages to run)  TT_STEPS=20  T_MT=150 T_TT=240 T_CP=100 (timeouts, s)  A_DEADLINE=300
+# Stage B, four GPUs: llama-617M at 64K, cp=4 Ulysses (a2a), causal then --document-mask, over
+# every 64K sample of the data (48), then 2 steps profiled.
+# (The first call of 2026-11-26's third session ran this file at commit 6188e83: also the
+# varlen experiment, the 617M on one GPU and cp=4 over 12 steps.)
+# Env: PARTS="A B" (stages to run)  TT_STEPS=20  T_MT=150 T_TT=240 T_CP=130 (timeouts, s)  A_DEADLINE=250
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -25,8 +28,8 @@ PARTS=${PARTS:-"A B"}
 TT_STEPS=${TT_STEPS:-20}
 T_MT=${T_MT:-150}
 T_TT=${T_TT:-240}
-T_CP=${T_CP:-100}
-A_DEADLINE=${A_DEADLINE:-300}   # stage A's seconds: the second job on a GPU gets what is left of them
+T_CP=${T_CP:-130}
+A_DEADLINE=${A_DEADLINE:-250}   # stage A's seconds: the second job on a GPU gets what is left of them
 PY=${PY:-python3}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -79,16 +82,13 @@ if [[ " $PARTS " == *" A "* ]]; then
     [ "$l" -lt 1 ] && l=1
     echo "$l"
   }
-  ( CUDA_VISIBLE_DEVICES=0 timeout -k 10 120 $PY benchmarks/bench_documents.py --check --data "$DATA" \
-      > "$OUT/check.log" 2>&1; echo "=== [gpu 0] check rc=$?"; grep -v -i warn "$OUT/check.log" | tail -9
-    CUDA_VISIBLE_DEVICES=0 timeout -k 10 150 $PY benchmarks/bench_documents.py --attention --data "$DATA" --out "$OUT" \
-      > "$OUT/attention.log" 2>&1; echo "=== [gpu 0] attention rc=$?"; grep -v -i warn "$OUT/attention.log" | tail -18
-    T_MT=$(left) mt 0 617m_1gpu_flex --warmup 3 --rounds 0 -- $M617 --document-mask
-    [ "$(left)" -gt 30 ] && CUDA_VISIBLE_DEVICES=0 timeout -k 10 "$(left)" $PY benchmarks/bench_documents.py --attention \
-      --autotune --data "$DATA" --out "$OUT/autotune" > "$OUT/autotune.log" 2>&1
-    echo "=== [gpu 0] autotune rc=$?"; grep -E "max-autotune|SDPA causal|block ranges \(built once\)" "$OUT/autotune.log" ) &
-  ( mt 1 causal -- $M1; T_TT=$(left) tt 1 causal meshtron_llama1b ) &
-  ( mt 2 flex -- $M1 --document-mask; T_MT=$(left) mt 2 varlen --experiment varlen -- $M1 --document-mask ) &
+  ( CUDA_VISIBLE_DEVICES=0 timeout -k 10 100 $PY benchmarks/bench_documents.py --check --data "$DATA" \
+      > "$OUT/check.log" 2>&1; echo "=== [gpu 0] check rc=$?"; grep -v -i warn "$OUT/check.log" | tail -8
+    CUDA_VISIBLE_DEVICES=0 timeout -k 10 "$(left)" $PY benchmarks/bench_documents.py --attention --autotune \
+      --data "$DATA" --out "$OUT" > "$OUT/attention.log" 2>&1
+    echo "=== [gpu 0] attention rc=$?"; grep -v -i warn "$OUT/attention.log" | grep -E "^  |heads" ) &
+  ( mt 1 causal --profile-steps 2 -- $M1; T_TT=$(left) tt 1 causal meshtron_llama1b ) &
+  ( mt 2 flex --profile-steps 2 -- $M1 --document-mask ) &
   ( STAMP=$(cd "$KIT/whl" && ls *.whl | md5sum | cut -c1-12)
     if [ "$(cat "$SITE/.tt3_stamp" 2>/dev/null)" != "$STAMP" ]; then
       $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$KIT"/whl/*.whl \
@@ -101,11 +101,11 @@ if [[ " $PARTS " == *" A "* ]]; then
 fi
 
 if [[ " $PARTS " == *" B "* ]]; then
-  for v in causal flex; do
+  for v in causal flex; do   # every 64K sample of the data: 3 warm-up steps, then 3 rounds of 15
     flags=""; [ $v = flex ] && flags="--document-mask"
     echo "=== cp4 a2a $v"
     timeout -k 20 "$T_CP" $RUN --nproc-per-node 4 benchmarks/bench_documents.py --train --out "$OUT" \
-      --warmup 3 --window 3 --rounds 3 -- $M617 --cp 4 --cp-comm a2a $flags > "$OUT/cp4_$v.log" 2>&1
+      --warmup 3 --window 15 --rounds 3 --profile-steps 2 -- $M617 --cp 4 --cp-comm a2a $flags > "$OUT/cp4_$v.log" 2>&1
     echo "=== cp4 a2a $v rc=$?: $(grep -c '"step_ms"' "$OUT/cp4_$v.log") result line(s)"
     grep -E "Error|error:|OutOfMemory" "$OUT/cp4_$v.log" | grep -vi warn | tail -3 | cut -c1-300
   done
@@ -121,6 +121,8 @@ for r in rows:
           f"step {r['step_ms']:8.1f} ms rounds {[round(x, 1) for x in r['step_ms_rounds']]} tok/s/GPU {r['tokens_per_s_per_gpu']:9,.0f} "
           f"MFU {100 * (r['mfu'] or 0):5.1f}% peak {r['peak_mem_gib']:.1f}/{r['peak_reserved_gib']:.1f} GiB kept {r['kept_causal_share']} "
           f"mean doc {r['mean_doc_tokens_in_timed_samples']} losses {r['losses'][:3]}..{r['losses'][-2:]}")
+    if r.get("profile"):
+        print("    profile (ms/step): " + ", ".join(f"{k} {v:.1f}" for k, v in r["profile"].items()))
 for name in ("causal", "flex"):
     p = os.path.join(out, f"tt_{name}.log")
     if not os.path.exists(p):
@@ -131,3 +133,6 @@ for name in ("causal", "flex"):
     print(f"torchtitan {name}: tps windows {tps}, median of the last three {statistics.median(tps[-3:]) if len(tps) >= 3 else None}, "
           f"memory {[m.group(1) for m in mem if m]}")
 PYEOF
+# at most 8 files come back from a device call: the logs and profiles in one archive
+(cd "$OUT" && tar czf logs.tgz --exclude=log --exclude=logs.tgz --exclude=documents.jsonl -- * \
+  && find . -mindepth 1 -maxdepth 1 ! -name log ! -name logs.tgz ! -name documents.jsonl -exec rm -rf {} +)

@@ -316,9 +316,17 @@ def attention(q, k, v, mask=None) -> torch.Tensor:
 
 
 @functools.cache
-def _flex():
+def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
     return torch.compile(flex_attention)   # uncompiled, FlexAttention materialises the scores
+
+
+def _flex():
+    """FlexAttention compiled: by itself, or inside a compiled block as part of its graph."""
+    if torch.compiler.is_compiling():
+        from torch.nn.attention.flex_attention import flex_attention
+        return flex_attention
+    return _compiled_flex()
 
 
 def prefix_steps(rank: int, cp: int, c: int) -> list[tuple[int, slice, slice, bool]]:

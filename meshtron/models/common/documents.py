@@ -64,6 +64,30 @@ def _flex():
     return torch.compile(flex_attention)   # uncompiled, FlexAttention materialises the scores
 
 
+def flex(*args, **kwargs):
+    """FlexAttention compiled: by itself, or inside a compiled block as part of its graph
+    (not through the cached compiled function, which dynamo would trace past its cache)."""
+    if torch.compiler.is_compiling():
+        from torch.nn.attention.flex_attention import flex_attention
+        return flex_attention(*args, **kwargs)
+    return _flex()(*args, **kwargs)
+
+
+# FlexAttention's tiles where torch's defaults are slow, by (compute capability, dtype, head dim):
+# max-autotune's picks (forward 128 x 64, backward 64 x 64, 4 warps, 3 stages) without its
+# compile time. On an H100 at llama-1B's heads the default forward tile (128 x 128) timed 1.58x
+# the 128 x 64 one in autotuning (benchmarks/RESULTS.md, packed documents).
+TILES = {(9, 0, torch.bfloat16, 64): dict(BLOCK_M=128, BLOCK_N=64, BLOCK_M1=64, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=64,
+                                          num_warps=4, num_stages=3)}
+_capability: dict = {}   # CUDA device index -> (major, minor): read where masks are built, outside compiled blocks
+
+
+def kernel_options(q: torch.Tensor) -> dict | None:
+    """TILES' options for q's GPU, dtype and head dim (None: torch's defaults)."""
+    cap = _capability.get(q.device.index)
+    return TILES.get((*cap, q.dtype, q.shape[-1])) if cap else None
+
+
 BLOCK = 128   # FlexAttention's sparse block (its default): the mask's granularity
 
 
@@ -82,6 +106,8 @@ def block_mask(documents: torch.Tensor):
     def same_document_causal(b, h, q, k):
         return (documents[b, q] == documents[b, k]) & (q >= k)
     B, T = documents.shape
+    if documents.is_cuda and documents.device.index not in _capability:
+        _capability[documents.device.index] = torch.cuda.get_device_capability(documents.device)
     if T % BLOCK:
         return create_block_mask(same_document_causal, B, None, T, T, device=documents.device)
     blocks = documents.view(B, T // BLOCK, BLOCK)
@@ -116,7 +142,7 @@ def masked_attention(q, k, v, mask, dropout_p: float = 0.0) -> torch.Tensor:
             k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
             gqa = False
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
-    return _flex()(q, k, v, block_mask=mask, enable_gqa=gqa)
+    return flex(q, k, v, block_mask=mask, enable_gqa=gqa, kernel_options=kernel_options(q))
 
 
 class DocumentMask(nn.Module):
