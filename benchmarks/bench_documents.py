@@ -321,7 +321,13 @@ def _varlen_experiment() -> None:
     docs.document_mask, llama.masked_attention = document_mask, masked_attention
 
 
-EXPERIMENTS = {"varlen": _varlen_experiment}
+def _default_tiles() -> None:
+    """--experiment default-tiles: FlexAttention with torch's default tiles everywhere (before TILES)."""
+    from meshtron.models.common import documents as docs
+    docs.TILES.clear()
+
+
+EXPERIMENTS = {"varlen": _varlen_experiment, "default-tiles": _default_tiles}
 
 
 def train(args, recipe_flags: list[str]) -> dict:

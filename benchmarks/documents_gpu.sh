@@ -17,7 +17,10 @@
 # every 64K sample of the data (48), then 2 steps profiled.
 # (The first call of 2026-11-26's third session ran this file at commit 6188e83: also the
 # varlen experiment, the 617M on one GPU and cp=4 over 12 steps.)
-# Env: PARTS="A B" (stages to run)  TT_STEPS=20  T_MT=150 T_TT=240 T_CP=130 (timeouts, s)  A_DEADLINE=250
+# Stage C, four one-GPU jobs side by side: meshtron llama-1B masked with torch's default flex tiles
+# (GPU 0), with the shipped ones (GPU 1), causal (GPU 2), torchtitan flex (GPU 3), ROUNDS rounds.
+# Env: PARTS="A B" (stages to run: A, B, C)  ROUNDS=3  TT_STEPS=5+5*ROUNDS  CP_FLAGS= (stage B)
+#      T_MT=150 T_TT=240 T_CP=130 (timeouts, s)  A_DEADLINE=250
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -25,7 +28,9 @@ KIT=$ROOT/.peer
 SITE=${SITE:-/tmp/site}
 OUT=${OUT:-/tmp/documents}
 PARTS=${PARTS:-"A B"}
-TT_STEPS=${TT_STEPS:-20}
+ROUNDS=${ROUNDS:-3}              # meshtron's timed 5-step rounds after 5 warm-up steps (stage C)
+TT_STEPS=${TT_STEPS:-$(( 5 + 5 * ROUNDS ))}   # torchtitan's steps: its last ROUNDS 5-step windows are the same samples
+CP_FLAGS=${CP_FLAGS:-}          # more recipe flags for stage B (--compile)
 T_MT=${T_MT:-150}
 T_TT=${T_TT:-240}
 T_CP=${T_CP:-130}
@@ -100,12 +105,30 @@ if [[ " $PARTS " == *" A "* ]]; then
   echo "=== stage A: $(( $(date +%s) - t0 )) s"
 fi
 
+if [[ " $PARTS " == *" C "* ]]; then   # llama-1B side by side: the shipped tiles against torch's defaults
+  rm -f /tmp/tt_installed
+  t0=$(date +%s)
+  ( mt 0 flex_default_tiles --rounds "$ROUNDS" --experiment default-tiles -- $M1 --document-mask ) &
+  ( mt 1 flex --rounds "$ROUNDS" -- $M1 --document-mask ) &
+  ( mt 2 causal --rounds "$ROUNDS" -- $M1 ) &
+  ( STAMP=$(cd "$KIT/whl" && ls *.whl | md5sum | cut -c1-12)
+    if [ "$(cat "$SITE/.tt3_stamp" 2>/dev/null)" != "$STAMP" ]; then
+      $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$KIT"/whl/*.whl \
+        && echo "$STAMP" > "$SITE/.tt3_stamp"
+    fi
+    touch /tmp/tt_installed
+    tt 3 flex meshtron_llama1b_flex ) &
+  wait
+  echo "=== stage C: $(( $(date +%s) - t0 )) s"
+fi
+
 if [[ " $PARTS " == *" B "* ]]; then
   for v in causal flex; do   # every 64K sample of the data: 3 warm-up steps, then 3 rounds of 15
     flags=""; [ $v = flex ] && flags="--document-mask"
     echo "=== cp4 a2a $v"
     timeout -k 20 "$T_CP" $RUN --nproc-per-node 4 benchmarks/bench_documents.py --train --out "$OUT" \
-      --warmup 3 --window 15 --rounds 3 --profile-steps 2 -- $M617 --cp 4 --cp-comm a2a $flags > "$OUT/cp4_$v.log" 2>&1
+      --warmup 3 --window 15 --rounds 3 --profile-steps 2 -- $M617 --cp 4 --cp-comm a2a $flags $CP_FLAGS \
+      > "$OUT/cp4_$v.log" 2>&1
     echo "=== cp4 a2a $v rc=$?: $(grep -c '"step_ms"' "$OUT/cp4_$v.log") result line(s)"
     grep -E "Error|error:|OutOfMemory" "$OUT/cp4_$v.log" | grep -vi warn | tail -3 | cut -c1-300
   done
@@ -130,7 +153,8 @@ for name in ("causal", "flex"):
     lines = [l for l in open(p) if re.search(r"step: *\d+ +loss", l)]
     tps = [float(re.search(r"tps: *([\d,]+)", l).group(1).replace(",", "")) for l in lines if "tps" in l]
     mem = [re.search(r"memory: *([\d.]+)GiB", l) for l in lines]
-    print(f"torchtitan {name}: tps windows {tps}, median of the last three {statistics.median(tps[-3:]) if len(tps) >= 3 else None}, "
+    n = (len(tps) - 2) if len(tps) > 2 else 0   # the windows of steps 6 on
+    print(f"torchtitan {name}: tps windows {tps}, median of the last {n} {statistics.median(tps[-n:]) if n else None}, "
           f"memory {[m.group(1) for m in mem if m]}")
 PYEOF
 # at most 8 files come back from a device call: the logs and profiles in one archive
