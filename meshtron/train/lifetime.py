@@ -182,7 +182,8 @@ def _read(fd: int) -> dict | None:
 def one_line_errors(fn, *args, **kwargs) -> None:
     """A recipe's entry point: fn(*args, **kwargs) in a world of one without torchrun;
     a problem of the user's (ValueError, OSError, KeyError) is one line on stderr,
-    printed once (by rank 0 when every rank found it), and exit 1."""
+    printed once (by rank 0 when every rank found it), and exit 1; success exits 0
+    without the interpreter's teardown (below)."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     try:
@@ -203,3 +204,12 @@ def one_line_errors(fn, *args, **kwargs) -> None:
         os._exit(1)   # skip the process group's teardown, which would wait for ranks that already left
     if dist.is_initialized():
         dist.destroy_process_group()
+    # Skip the interpreter's teardown too. A gloo group that a mesh or a pipeline stage
+    # still references keeps its worker threads past destroy_process_group, and a worker
+    # that drops the last collective's tensors while the interpreter finalizes needs the
+    # GIL, which a finalizing interpreter no longer gives: the job aborts (SIGABRT,
+    # "terminate called without an active exception") after it finished, more often on
+    # a loaded machine. Everything the run writes is closed by now (Trainer.close).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
