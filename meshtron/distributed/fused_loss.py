@@ -24,6 +24,8 @@ reduce-scattered, as the unfused column-parallel head does.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -53,13 +55,17 @@ def _dlogits(z: torch.Tensor, lse: torch.Tensor, local: torch.Tensor, mine: torc
     return p.mul_(valid[:, None]).to(z.dtype)
 
 
-_COMPILED = (torch.compile(_stats, dynamic=False), torch.compile(_dlogits, dynamic=False))
+@functools.cache
+def _compiled():
+    """The per-chunk work through torch.compile, made on first use: torch.compile at import
+    pulls in inductor, a second or more of every process's start."""
+    return torch.compile(_stats, dynamic=False), torch.compile(_dlogits, dynamic=False)
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, group, start, chunk, ignore_index, need_grad, compiled):
-        stats, dlogits = _COMPILED if compiled else (_stats, _dlogits)
+        stats, dlogits = _compiled() if compiled else (_stats, _dlogits)
         n, width = h.shape[0], weight.shape[0]
         acc = torch.promote_types(h.dtype, torch.float32)
         loss = torch.zeros((), dtype=acc, device=h.device)
