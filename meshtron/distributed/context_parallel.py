@@ -304,7 +304,7 @@ def attention(q, k, v, mask=None) -> torch.Tensor:
     BlockMask; None: causal, aligned): SDPA (or FlexAttention) on GPUs, the math
     path in `_acc` precision elsewhere."""
     if mask is not None and not isinstance(mask, torch.Tensor):
-        return _flex()(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        return flex(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
     k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
     if q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
@@ -321,12 +321,13 @@ def _compiled_flex():
     return torch.compile(flex_attention)   # uncompiled, FlexAttention materialises the scores
 
 
-def _flex():
-    """FlexAttention compiled: by itself, or inside a compiled block as part of its graph."""
+def flex(*args, **kwargs):
+    """FlexAttention compiled: by itself, or inside a compiled block as part of its graph
+    (not through the cached compiled function, which dynamo would trace past its cache)."""
     if torch.compiler.is_compiling():
         from torch.nn.attention.flex_attention import flex_attention
-        return flex_attention
-    return _compiled_flex()
+        return flex_attention(*args, **kwargs)
+    return _compiled_flex()(*args, **kwargs)
 
 
 def prefix_steps(rank: int, cp: int, c: int) -> list[tuple[int, slice, slice, bool]]:

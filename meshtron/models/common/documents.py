@@ -17,11 +17,11 @@ sequence (context parallelism) can build it over the whole sequence instead.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from meshtron.distributed.context_parallel import flex
 
 
 def positions_in_documents(documents: torch.Tensor) -> torch.Tensor:
@@ -56,21 +56,6 @@ def dense_mask(q_docs: torch.Tensor, k_docs: torch.Tensor, q_pos: torch.Tensor |
     k_pos = torch.arange(k_docs.shape[1], device=k_docs.device) if k_pos is None else k_pos
     causal = q_pos.unsqueeze(-1) >= k_pos.unsqueeze(-2)
     return ((q_docs.unsqueeze(-1) == k_docs.unsqueeze(-2)) & causal).unsqueeze(1)
-
-
-@functools.cache
-def _flex():
-    from torch.nn.attention.flex_attention import flex_attention
-    return torch.compile(flex_attention)   # uncompiled, FlexAttention materialises the scores
-
-
-def flex(*args, **kwargs):
-    """FlexAttention compiled: by itself, or inside a compiled block as part of its graph
-    (not through the cached compiled function, which dynamo would trace past its cache)."""
-    if torch.compiler.is_compiling():
-        from torch.nn.attention.flex_attention import flex_attention
-        return flex_attention(*args, **kwargs)
-    return _flex()(*args, **kwargs)
 
 
 # FlexAttention's tiles where torch's defaults are slow, by (compute capability, dtype, head dim):
