@@ -130,13 +130,19 @@ def masked_attention(q, k, v, mask, dropout_p: float = 0.0) -> torch.Tensor:
     return flex(q, k, v, block_mask=mask, enable_gqa=gqa, kernel_options=kernel_options(q))
 
 
+# inductor's FlexAttention kernels take head dims of 16 and up (tl.dot): below, as in the tiny
+# presets, the GPU takes the dense mask through SDPA
+FLEX_MIN_HEAD_DIM = 16
+
+
 class DocumentMask(nn.Module):
     """documents (B, T) -> the mask of one forward (document_mask). A module of its own,
-    without parameters, so that a layout can replace how it is built."""
+    without parameters, so that a layout can replace how it is built. `dense` where
+    FlexAttention cannot run the attention: dropout, or heads narrower than FLEX_MIN_HEAD_DIM."""
 
-    def __init__(self, dense: bool = False):
+    def __init__(self, head_dim: int, dropout: float = 0.0):
         super().__init__()
-        self.dense = dense
+        self.dense = dropout > 0 or head_dim < FLEX_MIN_HEAD_DIM
 
     def forward(self, documents: torch.Tensor):
         return document_mask(documents, self.dense)

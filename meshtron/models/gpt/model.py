@@ -224,7 +224,7 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm = LayerNorm(cfg.dim, cfg.norm_eps, cfg.bias, cfg.fused_kernels)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.document_mask = DocumentMask(dense=cfg.dropout > 0)   # FlexAttention has no dropout
+        self.document_mask = DocumentMask(cfg.head_dim, cfg.dropout)   # FlexAttention has no dropout
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         if seed is not None and self.output.weight.device.type != "meta":

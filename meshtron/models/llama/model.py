@@ -227,7 +227,7 @@ class Llama(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_kernels)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.document_mask = DocumentMask()
+        self.document_mask = DocumentMask(cfg.head_dim)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         if seed is not None and self.output.weight.device.type != "meta":
