@@ -108,7 +108,18 @@ def own_model(stdout: str, cwd: str) -> None:
     assert "saved checkpoint runs/own/step-00000012" in stdout and "LlamaForCausalLM" in stdout, stdout
 
 
-CHECKS = {"real_data": real_data, "resumed": resumed, "own_model": own_model}
+def dry_run_64(stdout: str, cwd: str) -> None:
+    """docs/planner.md: each named rank's bytes and one step's collectives (FSDP's reduce-scatter,
+    SP's all-gathers) equal the planner's, at 64 ranks."""
+    rows = [line.split() for line in stdout.splitlines() if line.split() and line.split()[0].isdigit()]
+    assert [int(r[0]) for r in rows] == [0, 63] and all(r[-1] == "equal" for r in rows), stdout
+    counted = [line for line in stdout.splitlines() if line.startswith("  rank ")]
+    assert [int(c.split()[1].rstrip(":")) for c in counted] == [0, 63], stdout
+    assert all("reduce_scatter over" in c and "all_gather over tp" in c and c.endswith("planner equal")
+               for c in counted), stdout
+
+
+CHECKS = {"real_data": real_data, "resumed": resumed, "own_model": own_model, "dry_run_64": dry_run_64}
 
 
 @pytest.fixture(scope="module")

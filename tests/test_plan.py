@@ -101,20 +101,28 @@ from meshtron.planner import dry_run
 from meshtron.config import Config
 from meshtron.models import PRESETS
 out = []
-for world, argv in json.loads(sys.argv[1]):
+for world, argv, played in json.loads(sys.argv[1]):
     c = Config.from_args(argv, models=PRESETS)
-    ranks = [dry_run.dry_run_rank(c, world, r) for r in range(world)]
+    ranks = [dry_run.dry_run_rank(c, world, r) for r in played]
     out.append([[state, {" ".join(k): v for k, v in count.items()}] for state, count in ranks])
 print(json.dumps(out))
 """
 
 
+def played(world: int) -> list[int]:
+    """The ranks the dry run plays: the first and the last, which hold every axis's first and
+    last coordinate (the first and the last pipeline stage, the smaller of uneven shards). A
+    play costs seconds of fake-tensor dispatch; the real runs measure every rank."""
+    return sorted({0, world - 1})
+
+
 @pytest.fixture(scope="module")
 def dry_runs():
-    """(world, argv) -> per rank [state bytes, collectives] from one process that
-    plays every rank of every layout below (meshtron.planner.dry_run), started at once and
-    running beside the real runs."""
-    layouts = [(w, a + ARGS) for table in (LAYOUTS, DRY_ONLY) for w, group in table.items() for a in group]
+    """(world, argv) -> {rank: [state bytes, collectives]} for the `played` ranks of every
+    layout below (meshtron.planner.dry_run), from one process started at once and running
+    beside the real runs."""
+    layouts = [(w, a + ARGS, played(w)) for table in (LAYOUTS, DRY_ONLY) for w, group in table.items()
+               for a in group]
     proc = subprocess.Popen([sys.executable, "-c", _DRY_RUN, json.dumps(layouts)], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     results = {}
@@ -123,7 +131,7 @@ def dry_runs():
         if not results:
             out, err = proc.communicate(timeout=900)
             assert proc.returncode == 0, err[-3000:]
-            results.update({(w, tuple(a)): r for (w, a), r in zip(layouts, json.loads(out))})
+            results.update({(w, tuple(a)): dict(zip(ranks, r)) for (w, a, ranks), r in zip(layouts, json.loads(out))})
         return results[(world, tuple(argv))]
     yield get
     proc.kill()
@@ -138,15 +146,17 @@ def test_each_ranks_state_and_collectives_equal_the_planner_and_the_dry_run(pool
     # on fake tensors
     real = pools.run(world, _measured_and_predicted, argv + ARGS, timeout=300)
     dry = dry_runs(world, argv + ARGS)
-    for rank, ((measured, predicted, _, _), (built, _)) in enumerate(zip(real, dry)):
-        assert measured == predicted == built, f"rank {rank}"
-    counted, planned, simulated = [r[2][0] for r in real], [r[3][0] for r in real], [d[1] for d in dry]
+    for rank, (measured, predicted, _, _) in enumerate(real):
+        assert measured == predicted, f"rank {rank}"
+    for rank, (built, simulated) in dry.items():   # the dry run spreads MoE tokens evenly, as the planner
+        assert built == real[rank][1] and simulated == real[rank][3][0], f"rank {rank}"
+    counted, planned = [r[2][0] for r in real], [r[3][0] for r in real]
     assert all(counted), argv   # every layout here communicates
     assert [r[2][1] for r in real] == [r[3][1] for r in real]   # calls
     if "--ep" in argv:   # the routing decides what each rank's all-to-alls send back, not their total
-        total = [sum(r.pop("all_to_all ep") for r in ranks) for ranks in (counted, planned, simulated)]
-        assert total[0] == total[1] == total[2], total
-    assert counted == planned == simulated
+        total = [sum(r.pop("all_to_all ep") for r in ranks) for ranks in (counted, planned)]
+        assert total[0] == total[1], total
+    assert counted == planned
 
 
 @pytest.mark.parametrize("world,argv", [(w, a) for w, layouts in DRY_ONLY.items() for a in layouts],
@@ -160,11 +170,8 @@ def test_the_planners_collectives_equal_the_dry_runs_count(dry_runs, world, argv
     planned = [{" ".join(k): v for k, v in plan.step_collectives(spec, cfg, par, tr.micro_batch, microbatches,
                                                                   tr.seq_len, rank, device="cpu")[1].items()}
                for rank in range(world)]
-    counted = [d[1] for d in dry_runs(world, argv + ARGS)]
-    if "--ep" in argv:   # the routing decides what each rank's all-to-alls send back, not their total
-        total = [sum(r.pop("all_to_all ep") for r in ranks) for ranks in (counted, planned)]
-        assert total[0] == total[1], total
-    assert counted == planned
+    for rank, (_, counted) in dry_runs(world, argv + ARGS).items():   # both spread MoE tokens evenly
+        assert counted == planned[rank], f"rank {rank}"
 
 
 def test_plan_ranks_every_layout_of_64_gpus():
@@ -211,10 +218,10 @@ def test_the_planners_help_explains_every_flag_the_columns_and_calibrate(capsys)
     assert all(action.help for action in plan.parser()._actions)
 
 
+# and llama-8B at dp8 x tp8 on 64 ranks: docs/planner.md's command, checked by the docs test (dry_run_64)
 @pytest.mark.parametrize("argv,world,ranks", [
-    ("--model llama-8B --dp 8 --tp 8 --sp --zero 3 --seq-len 8192", 64, [0, 7, 8, 63]),
-    ("--model llama-moe-3B --ep 8 --zero 3 --seq-len 4096", 8, list(range(8))),
-], ids=["llama-8B dp8 tp8 on 64", "llama-moe-3B ep8"])
+    ("--model llama-moe-3B --ep 8 --zero 3 --seq-len 4096", 8, [0, 7]),
+], ids=["llama-moe-3B ep8"])
 def test_the_dry_run_command_prints_the_planners_bytes_for_large_layouts(argv, world, ranks):
     cmd = [sys.executable, "recipes/train.py", *argv.split(), "--dry-run", str(world),
            "--dry-run-ranks", ",".join(map(str, ranks))]
