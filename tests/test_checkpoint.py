@@ -1,3 +1,5 @@
+import contextlib
+import io
 import os
 import shutil
 import subprocess
@@ -150,6 +152,22 @@ def test_fault_recovery_under_torchrun_max_restarts(pools, tmp_path):
     assert [logged[s] for s in (5, 6)] == [round(x, 4) for x in straight[4:]]   # nothing lost
     assert checkpoint.latest(str(tmp_path / "ck")).endswith("step-00000006")
 
+
+
+def _printed(rank, world, argv):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        _train(rank, world, argv)
+    return out.getvalue()
+
+
+def test_resuming_at_the_last_step_says_there_is_nothing_to_run(pools, tmp_path):
+    # the closing line once read "done: -98 steps (101-2 of 2), -100,352 tokens"
+    ck = str(tmp_path)
+    run(pools, "single", "--checkpoint-dir", ck, "--checkpoint-interval", "2", exit_after=2)
+    out = pools.run(1, _printed, COMMON + LAYOUTS["single"][1] + ["--steps", "2", "--checkpoint-dir", ck,
+                                                                  "--resume", "auto"])[0]
+    assert out.splitlines()[-1] == f"done: no step to run: resumed at step 2 and --steps is 2; checkpoints in {ck}"
 
 # ---- safetensors export / import with Hugging Face GPT-2 ------------------------
 

@@ -318,6 +318,10 @@ class Trainer:
             wrote.append(f"metrics in {c.training.metrics_file}")
         if c.checkpoint.export_hf:
             wrote.append(f"weights exported to {c.checkpoint.export_hf}")
+        if done <= 0:   # resumed at or past --steps
+            self.log(f"done: no step to run: resumed at step {self.start} and --steps is {c.training.steps}; "
+                     + ", ".join(wrote))
+            return
         self.log(f"done: {done} steps ({self.start + 1}-{last} of {c.training.steps}), "
                  f"{done * self.global_batch * c.training.seq_len:,} tokens in {seconds:.0f} s, {final}; "
                  + ", ".join(wrote))
