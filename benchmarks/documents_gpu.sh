@@ -79,6 +79,16 @@ tt() {  # GPU NAME FLAVOR: torchtitan 0.2.2, llama-1B 2 x 8192, compiled, one GP
   grep -E "Error|error:|OutOfMemory" "$OUT/tt_$name.log" | grep -vi warn | tail -3 | cut -c1-300
 }
 
+install_peer() {   # the kit's wheels, once per machine; then every torchtitan run may start (tt waits on the file)
+  local stamp
+  stamp=$(cd "$KIT/whl" && ls *.whl | md5sum | cut -c1-12)
+  if [ "$(cat "$SITE/.tt3_stamp" 2>/dev/null)" != "$stamp" ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$KIT"/whl/*.whl \
+      && echo "$stamp" > "$SITE/.tt3_stamp"
+  fi
+  touch /tmp/tt_installed
+}
+
 if [[ " $PARTS " == *" A "* ]]; then
   rm -f /tmp/tt_installed
   t0=$(date +%s)
@@ -94,13 +104,7 @@ if [[ " $PARTS " == *" A "* ]]; then
     echo "=== [gpu 0] attention rc=$?"; grep -v -i warn "$OUT/attention.log" | grep -E "^  |heads" ) &
   ( mt 1 causal --profile-steps 2 -- $M1; T_TT=$(left) tt 1 causal meshtron_llama1b ) &
   ( mt 2 flex --profile-steps 2 -- $M1 --document-mask ) &
-  ( STAMP=$(cd "$KIT/whl" && ls *.whl | md5sum | cut -c1-12)
-    if [ "$(cat "$SITE/.tt3_stamp" 2>/dev/null)" != "$STAMP" ]; then
-      $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$KIT"/whl/*.whl \
-        && echo "$STAMP" > "$SITE/.tt3_stamp"
-    fi
-    touch /tmp/tt_installed
-    tt 3 flex meshtron_llama1b_flex ) &
+  ( install_peer; tt 3 flex meshtron_llama1b_flex ) &
   wait
   echo "=== stage A: $(( $(date +%s) - t0 )) s"
 fi
@@ -111,13 +115,7 @@ if [[ " $PARTS " == *" C "* ]]; then   # llama-1B side by side: the shipped tile
   ( mt 0 flex_default_tiles --rounds "$ROUNDS" --experiment default-tiles -- $M1 --document-mask ) &
   ( mt 1 flex --rounds "$ROUNDS" -- $M1 --document-mask ) &
   ( mt 2 causal --rounds "$ROUNDS" -- $M1 ) &
-  ( STAMP=$(cd "$KIT/whl" && ls *.whl | md5sum | cut -c1-12)
-    if [ "$(cat "$SITE/.tt3_stamp" 2>/dev/null)" != "$STAMP" ]; then
-      $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$KIT"/whl/*.whl \
-        && echo "$STAMP" > "$SITE/.tt3_stamp"
-    fi
-    touch /tmp/tt_installed
-    tt 3 flex meshtron_llama1b_flex ) &
+  ( install_peer; tt 3 flex meshtron_llama1b_flex ) &
   wait
   echo "=== stage C: $(( $(date +%s) - t0 )) s"
 fi
