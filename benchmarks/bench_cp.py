@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from meshtron.distributed import block_attention as ba  # noqa: E402
 from meshtron.distributed import context_parallel as cpm  # noqa: E402
 
 
@@ -80,7 +81,7 @@ def inputs(seq: int, heads: int, kv_heads: int, dim: int, dtype, device, seed: i
 def whole(q, k, v, dout):
     """One GPU's causal attention of the whole sequence: (out, dq, dk, dv)."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out = cpm.attention(q, k, v)
+    out = ba.attention(q, k, v)
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -110,10 +111,10 @@ def simulate(q, k, v, dout, cp: int, variant: str):
         blocks = [kv[j] for j, *_ in steps]
         _sync(device)
         t0 = time.perf_counter()
-        out, lse = cpm.blockwise_forward(qs[r], steps, blocks)
+        out, lse = ba.blockwise_forward(qs[r], steps, blocks)
         _sync(device)
         t1 = time.perf_counter()
-        dq = cpm.blockwise_backward(ds[r], qs[r], out, lse, steps, blocks, add_dkv)
+        dq = ba.blockwise_backward(ds[r], qs[r], out, lse, steps, blocks, add_dkv)
         _sync(device)
         fwd.append((t1 - t0) * 1e3)
         bwd.append((time.perf_counter() - t1) * 1e3)
@@ -161,7 +162,7 @@ def torch_peer_ms(q, k, v, dout, mesh, device, reps: int) -> float:
     K/V at the query heads (its ring handlers take the kernels' equal-head form)."""
     from torch.distributed.tensor.experimental import context_parallel
     heads = q.shape[1]
-    buffers = [t.detach().clone() for t in (q, cpm._expand(k, heads), cpm._expand(v, heads), dout)]
+    buffers = [t.detach().clone() for t in (q, ba._expand(k, heads), ba._expand(v, heads), dout)]
     with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2, 2], no_restore_buffers=set(buffers)):
         lq, lk, lv, ld = buffers   # this rank's shards now
 

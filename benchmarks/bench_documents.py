@@ -184,7 +184,7 @@ def _varlen():
 def attention_case(device, name: str, documents: torch.Tensor, H: int, KV: int, hd: int, args) -> list[dict]:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    from meshtron.distributed.context_parallel import _compiled_flex as _flex
+    from meshtron.distributed.block_attention import _compiled_flex as _flex
     B, T = documents.shape
     torch._dynamo.reset()   # each case compiled for its own shapes
     g = torch.Generator(device=device).manual_seed(0)

@@ -134,7 +134,7 @@ class _Step:
     n_stages: int
     stages: list[int]           # this rank's pipeline stages
     summaries: list[tuple]      # _stage of each
-    acc: int                    # bytes per element of the ring's dK, dV (context_parallel._acc)
+    acc: int                    # bytes per element of the ring's dK, dV (block_attention._acc)
     refwd: int                  # forwards run again in backward
     reductions_again: int       # reductions run again in backward
 

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron import ParallelConfig
+from meshtron.distributed import block_attention as ba
 from meshtron.distributed import context_parallel as cpm
 from meshtron.models import GPT, gpt_config
 from meshtron.models.gpt import SPEC as GPT_SPEC
@@ -93,7 +94,7 @@ def _attention_f64(rank, world, variant, kv_heads):
     err = {"out": (out - ref[:, :, idx]).abs().max(), "dq": (qs.grad - ql.grad[:, :, idx]).abs().max(),
            "dk": (ks.grad - kl.grad[:, :, idx]).abs().max(), "dv": (vs.grad - vl.grad[:, :, idx]).abs().max()}
     # and the log-sum-exp of one block, against the whole row's
-    o, lse = cpm.block_forward(q, k, v, causal=True)
+    o, lse = ba.block_forward(q, k, v, causal=True)
     s = (q @ k.repeat_interleave(H // kv_heads, 1).transpose(-1, -2)) / d ** 0.5
     s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
     err["lse"] = (lse - s.logsumexp(-1)).abs().max()
@@ -121,8 +122,8 @@ def test_fused_blocks_on_row_slices_err_as_bf16_does(kv_heads):
         errs = []
         for dtype in (torch.bfloat16, torch.float64):
             qq, kk, vv, dd = (t.to(dtype) for t in (q, k[:, :, keys], v[:, :, keys], dout))
-            out, lse = cpm.block_forward(qq, kk, vv, causal)   # every row; the backward takes a slice
-            errs.append(cpm.block_backward(dd[:, :, rows], qq[:, :, rows], kk, vv, out[:, :, rows], lse[:, :, rows],
+            out, lse = ba.block_forward(qq, kk, vv, causal)   # every row; the backward takes a slice
+            errs.append(ba.block_backward(dd[:, :, rows], qq[:, :, rows], kk, vv, out[:, :, rows], lse[:, :, rows],
                                            causal))
         for got, ref in zip(*errs):
             assert (got.double() - ref).norm() / ref.norm() < 2e-2, (rows, keys, causal)

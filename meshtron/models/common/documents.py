@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from meshtron.distributed.context_parallel import flex
+from meshtron.distributed.block_attention import flex
 
 
 def positions_in_documents(documents: torch.Tensor) -> torch.Tensor:
