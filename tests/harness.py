@@ -118,15 +118,21 @@ class WorkerPool:
             raise RankError(f"{fn.__name__} failed on ranks {sorted(errors)}" + _first_error(errors))
         return results
 
-    def pause(self, stop: bool = True) -> None:
-        """SIGSTOP the idle ranks (SIGCONT them with stop=False). A live gloo group keeps a
+    def pause(self) -> None:
+        """SIGSTOP the idle ranks (`resume` continues them). A live gloo group keeps a
         thread that wakes every 10 ms; the idle pools of the other world sizes, each rank
         holding up to `_release_groups`' 24, slowed every test after them by up to 1.8x
         (the kernels' tests behind the distributed ones). A stopped rank costs nothing, and
         nothing of it is in flight: it stops between checks, waiting for the next."""
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal(signal.SIGCONT)
+
+    def _signal(self, sig: int) -> None:
         for p in self.procs:
             if p.is_alive():
-                os.kill(p.pid, signal.SIGSTOP if stop else signal.SIGCONT)
+                os.kill(p.pid, sig)
 
     def close(self) -> None:
         for p in self.procs:
@@ -153,7 +159,7 @@ class Pools:
         pool = self._pools.get(world_size)
         if pool is None:
             pool = self._pools[world_size] = WorkerPool(world_size)
-        pool.pause(False)
+        pool.resume()
         try:
             results = pool.run(fn, *args, timeout=timeout, **kwargs)
         except BaseException:
