@@ -177,7 +177,6 @@ class BlockwiseAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-
 # ---- one attention over the whole sequence at hand (the a2a variant) ------------------
 
 def attention(q, k, v, mask=None) -> torch.Tensor:
@@ -190,10 +189,10 @@ def attention(q, k, v, mask=None) -> torch.Tensor:
     if q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
     acc = _acc(q)
-    s = (q.to(acc) @ k.to(acc).transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    if mask is None:
-        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
-    return (s.masked_fill(~mask, float("-inf")).softmax(-1) @ v.to(acc)).to(q.dtype)
+    s = _scores(q.to(acc), k.to(acc), causal=mask is None)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return (s.softmax(-1) @ v.to(acc)).to(q.dtype)
 
 
 @functools.cache
