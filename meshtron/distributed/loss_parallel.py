@@ -10,10 +10,16 @@ Why not torch's loss_parallel: it runs log-softmax on the DTensor logits in
 eager, so it keeps an fp32 copy of the (N, V/t) log-probabilities for backward
 and makes more fp32 temporaries there; for llama-1B at tp=2 that is several GiB
 a micro-batch more than the one-GPU compiled loss. Here only the logits (held
-by their caller anyway) and three (N,) vectors are saved, and the fp32 work runs
-over row chunks of at most CHUNK elements.
+by their caller anyway) and three (N,) vectors are saved. On a GPU the fp32 work
+is one compiled pass over the logits each way (the sum of exponentials forward;
+softmax - onehot, scaled and rounded to the logits' dtype, backward), so no fp32
+copy of them is ever written: eager, the same arithmetic costs several fp32 passes
+over (N, V/t) (benchmarks/RESULTS.md, "tensor parallelism on two GPUs"). Eager (the
+CPU) it runs over row chunks of at most CHUNK elements.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -27,18 +33,42 @@ def _rows(n: int, width: int):
     return [slice(i, min(n, i + step)) for i in range(0, n, step)]
 
 
+def _sum_exp(logits: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """sum_j exp(logits[:, j] - row_max) in row_max's dtype."""
+    return (logits.to(row_max.dtype) - row_max[:, None]).exp().sum(-1)
+
+
+def _dlogits(logits: torch.Tensor, lse: torch.Tensor, local: torch.Tensor, hit: torch.Tensor,
+             scale: torch.Tensor) -> torch.Tensor:
+    """(softmax - onehot(target where this rank holds it)) * scale, in the logits' dtype."""
+    p = (logits.to(lse.dtype) - lse[:, None]).exp()
+    cols = torch.arange(logits.shape[1], device=logits.device)
+    p = p - ((cols[None, :] == local[:, None]) & hit[:, None]).to(p.dtype)
+    return (p * scale[:, None]).to(logits.dtype)
+
+
+@functools.cache
+def _compiled():
+    """Made on first use: torch.compile at import pulls inductor into every process's start."""
+    return torch.compile(_sum_exp, dynamic=False), torch.compile(_dlogits, dynamic=False)
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, group, start, ignore_index):
+    def forward(ctx, logits, targets, group, start, ignore_index, compiled):
         n, width = logits.shape
         acc = torch.promote_types(logits.dtype, torch.float32)     # fp32 for bf16 logits, fp64 stays
         mine = (targets >= start) & (targets < start + width)
         local = torch.where(mine, targets - start, 0)
         row_max = logits.amax(-1).to(acc)
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        sum_exp = torch.empty(n, dtype=acc, device=logits.device)
-        for rows in _rows(n, width):
-            sum_exp[rows] = (logits[rows].to(acc) - row_max[rows, None]).exp().sum(-1)
+        ctx.compiled = compiled
+        if compiled:
+            sum_exp = _compiled()[0](logits, row_max)
+        else:
+            sum_exp = torch.empty(n, dtype=acc, device=logits.device)
+            for rows in _rows(n, width):
+                sum_exp[rows] = _sum_exp(logits[rows], row_max[rows])
         target_logit = logits.gather(1, local[:, None]).squeeze(1).to(acc) * mine
         dist.all_reduce(sum_exp, group=group)
         dist.all_reduce(target_logit, group=group)
@@ -51,18 +81,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, g):
         logits, local, hit, lse, valid = ctx.saved_tensors
         n, width = logits.shape
-        grad = torch.empty_like(logits)
         scale = g.to(lse.dtype) * valid
+        if ctx.compiled:
+            return _compiled()[1](logits, lse, local, hit, scale), None, None, None, None, None
+        grad = torch.empty_like(logits)
         for rows in _rows(n, width):
-            p = (logits[rows].to(lse.dtype) - lse[rows, None]).exp()
-            p[torch.arange(p.shape[0], device=p.device), local[rows]] -= hit[rows].to(p.dtype)
-            grad[rows] = p * scale[rows, None]
-        return grad, None, None, None, None
+            grad[rows] = _dlogits(logits[rows], lse[rows], local[rows], hit[rows], scale[rows])
+        return grad, None, None, None, None, None
 
 
-def vocab_parallel_cross_entropy_sum(logits: DTensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+def vocab_parallel_cross_entropy_sum(logits: DTensor, targets: torch.Tensor, ignore_index: int,
+                                     compiled: bool | None = None) -> torch.Tensor:
     """Sum of token cross-entropies of (..., V) logits sharded Shard(-1) over a 1-D
-    mesh; the same value on every rank of it."""
+    mesh; the same value on every rank of it. `compiled`: the fp32 passes through
+    torch.compile (default: on a GPU)."""
     mesh, (placement,) = logits.device_mesh, logits.placements
     if mesh.ndim != 1 or not (isinstance(placement, Shard) and placement.dim % logits.ndim == logits.ndim - 1):
         raise ValueError(f"vocab-parallel cross-entropy needs logits Shard(-1) over one mesh axis, "
@@ -73,5 +105,6 @@ def vocab_parallel_cross_entropy_sum(logits: DTensor, targets: torch.Tensor, ign
         raise ValueError(f"the vocabulary {vocab} does not divide over {t} ranks")
     local = logits.to_local(grad_placements=(Shard(logits.ndim - 1),))
     start = mesh.get_local_rank() * (vocab // t)
+    compiled = local.is_cuda if compiled is None else compiled
     return _VocabParallelCrossEntropy.apply(local.flatten(0, -2), targets.flatten(), mesh.get_group(), start,
-                                            ignore_index)
+                                            ignore_index, compiled)

@@ -281,3 +281,24 @@ def test_vocab_parallel_cross_entropy_matches_and_keeps_only_the_logits(pools, w
         assert loss_err < 1e-12 and grad_err < 1e-12, (loss_err, grad_err)
         # besides this rank's logits: the targets' local index, two masks and the log-sum-exp, (N,) each
         assert saved_beyond_logits <= vectors, saved_beyond_logits
+
+
+def test_vocab_parallel_cross_entropy_compiled_passes_equal_the_eager_ones():
+    # the GPU's path: each fp32 pass over the logits compiled (inductor on the CPU here), on an odd shape
+    from meshtron.distributed import loss_parallel as lp
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(37, 53, generator=g) * 4).to(torch.bfloat16)
+    row_max = logits.amax(-1).float() + 0.5                  # another rank's larger max
+    lse = row_max + torch.rand(37, generator=g)
+    local = torch.randint(0, 53, (37,), generator=g)
+    hit = torch.rand(37, generator=g) > 0.3                  # targets another rank holds: no onehot here
+    scale = (torch.rand(37, generator=g) > 0.2).float() * 0.7
+    sum_exp, dlogits = lp._compiled()
+    want = (logits.double() - row_max.double()[:, None]).exp().sum(-1)
+    assert torch.allclose(sum_exp(logits, row_max).double(), want, rtol=1e-6)
+    p = (logits.double() - lse.double()[:, None]).exp()
+    p[torch.arange(37), local] -= hit.double()
+    ref = p * scale.double()[:, None]
+    got, eager = dlogits(logits, lse, local, hit, scale), lp._dlogits(logits, lse, local, hit, scale)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, eager)
+    assert (got.double() - ref).norm() / ref.norm() < 4e-3          # bf16 rounding of the gradient
