@@ -59,6 +59,9 @@ LAYOUTS = {  # name: (GPUs, recipe flags); bf16 compute, fp32 master weights and
     "fsdp2": (2, ["--dp", "2", "--zero", "1"]),
     "tp2": (2, ["--tp", "2", "--sp"]),
     "tp2_async": (2, ["--tp", "2", "--sp", "--async-tp"]),
+    "tp2_split": (2, ["--tp", "2", "--sp", "--tp-split", "2"]),     # micro-batch halves overlapping TP's collectives
+    "tp4_split": (4, ["--tp", "4", "--sp", "--tp-split", "2"]),
+    "tp2dp2_split": (4, ["--dp", "2", "--tp", "2", "--sp", "--zero", "1", "--tp-split", "2"]),
     "tp4_async": (4, ["--tp", "4", "--sp", "--async-tp"]),
     "tp2dp2_async": (4, ["--dp", "2", "--tp", "2", "--sp", "--async-tp", "--zero", "1"]),
     "pp2tp2_async": (4, ["--pp", "2", "--tp", "2", "--sp", "--async-tp", "--microbatches", "8"]),
@@ -123,7 +126,30 @@ def _fp8_fp8_gather():
     float8.convert = lambda *a, **k: convert(*a, **{**k, "fsdp_all_gather": True})
 
 
+def _tp_overlap(options: dict):
+    """--tp-split's blocks compiled with other inductor options than tp_overlap.SCHEDULER."""
+    def patch():
+        from meshtron.distributed import tp_overlap
+        tp_overlap.SCHEDULER = options
+    return patch
+
+
+def _scheduler_whole():
+    """The overlap scheduler on every compiled block, its micro-batch not split."""
+    from meshtron.distributed import parallelize, tp_overlap
+    options = parallelize.compile_options
+    parallelize.compile_options = lambda config: {**(options(config) or {}), **tp_overlap.compile_options()}
+    from meshtron.models.gpt import parallelize as gpt
+    from meshtron.models.llama import parallelize as llama
+    gpt.compile_options = llama.compile_options = parallelize.compile_options
+
+
 EXPERIMENTS = {  # code paths other than the shipped ones (replaced or proposed), measured against them in one run
+    "split-reorder": _tp_overlap({"reorder_for_compute_comm_overlap": True,
+                                  "reorder_for_compute_comm_overlap_passes": ["sink_waits", "raise_comms",
+                                                                              "reorder_compute_for_overlap"]}),
+    "split-plain": _tp_overlap({}),
+    "scheduler-whole": _scheduler_whole,
     "fp8-fp8-gather": _fp8_fp8_gather,
     "split-even": _split_even,
     "sac-save-sdpa": _sac_save_sdpa,
