@@ -71,6 +71,8 @@ SUITES = {
                        "torchtitan tp2")
                     for name, layout, exp in (("split, reorder passes", "tp2_split_compile", "split-reorder"),
                                               ("split, no scheduler", "tp2_split_compile", "split-plain"),
+                                              ("split, scheduler with 2.13's fixes", "tp2_split_compile",
+                                               "scheduler-211"),
                                               ("scheduler, no split", "tp2_compile", "scheduler-whole"))],
     # the same at four GPUs
     "tp4": [tt("torchtitan tp4", 4, "llama1b_tp4_compile", **TT16),
@@ -102,7 +104,9 @@ def _peer_result(job: Job, log: str) -> dict:
 
 
 def run_job(job: Job, devices: list[int], out: str, args) -> dict:
-    env = {**os.environ, **job.env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices)),
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")   # devices index what this process sees
+    devices = [visible[d] if visible != [""] else str(d) for d in devices]
+    env = {**os.environ, **job.env, "CUDA_VISIBLE_DEVICES": ",".join(devices),
            "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
            "PYTHONUNBUFFERED": "1", "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
     tag = re.sub(r"[^A-Za-z0-9_.-]+", "_", job.name)
@@ -201,7 +205,7 @@ def main():
     p.add_argument("--rounds", type=int, default=5, help="meshtron's timed rounds")
     p.add_argument("--round-steps", type=int, default=4, help="meshtron's steps per round")
     p.add_argument("--profile-steps", type=int, default=2)
-    p.add_argument("--only", default="", help="comma list of row names to run (default: all)")
+    p.add_argument("--only", default="", help="row names to run, separated by ';' (default: all)")
     p.add_argument("--extra", default="", help="more bench_train flags for every meshtron job (e.g. --experiment X)")
     p.add_argument("--timeout", type=int, default=420)
     args = p.parse_args()
@@ -214,7 +218,7 @@ def main():
         raise SystemExit(f"unknown suite(s) {unknown}; known: {', '.join(SUITES)}")
     out = os.environ.get("OUT") or "/tmp/suite"
     os.makedirs(out, exist_ok=True)
-    only = set(filter(None, args.only.split(",")))
+    only = {n.strip() for n in args.only.split(";") if n.strip()}
     jobs = [j for s in args.suites for j in SUITES[s] if not only or j.name in only]
     for j in jobs:
         if not j.is_peer and args.extra:
