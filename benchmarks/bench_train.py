@@ -59,9 +59,6 @@ LAYOUTS = {  # name: (GPUs, recipe flags); bf16 compute, fp32 master weights and
     "fsdp2": (2, ["--dp", "2", "--zero", "1"]),
     "tp2": (2, ["--tp", "2", "--sp"]),
     "tp2_async": (2, ["--tp", "2", "--sp", "--async-tp"]),
-    "tp2_split": (2, ["--tp", "2", "--sp", "--tp-split", "2"]),     # micro-batch halves overlapping TP's collectives
-    "tp4_split": (4, ["--tp", "4", "--sp", "--tp-split", "2"]),
-    "tp2dp2_split": (4, ["--dp", "2", "--tp", "2", "--sp", "--zero", "1", "--tp-split", "2"]),
     "tp4_async": (4, ["--tp", "4", "--sp", "--async-tp"]),
     "tp2dp2_async": (4, ["--dp", "2", "--tp", "2", "--sp", "--async-tp", "--zero", "1"]),
     "pp2tp2_async": (4, ["--pp", "2", "--tp", "2", "--sp", "--async-tp", "--microbatches", "8"]),
@@ -126,64 +123,7 @@ def _fp8_fp8_gather():
     float8.convert = lambda *a, **k: convert(*a, **{**k, "fsdp_all_gather": True})
 
 
-def _tp_overlap(options: dict):
-    """--tp-split's blocks compiled with other inductor options than tp_overlap.SCHEDULER."""
-    def patch():
-        from meshtron.distributed import tp_overlap
-        tp_overlap.SCHEDULER = options
-    return patch
-
-
-def _scheduler_whole():
-    """The overlap scheduler on every compiled block, its micro-batch not split."""
-    _scheduler_211()
-    from meshtron.distributed import parallelize, tp_overlap
-    options = parallelize.compile_options
-    parallelize.compile_options = lambda config: {**(options(config) or {}), **tp_overlap.compile_options()}
-    from meshtron.models.gpt import parallelize as gpt
-    from meshtron.models.llama import parallelize as llama
-    gpt.compile_options = llama.compile_options = parallelize.compile_options
-
-
-def _gqa_flops():
-    """torch 2.11's FLOP counter asserts equal query and key/value heads (2.13 counts grouped-query
-    attention): count it as its query heads, so the overlap scheduler can estimate attention."""
-    import torch.utils.flop_counter as fc
-    if "Supports GQA" in (fc.sdpa_flop_count.__doc__ or ""):
-        return
-    whole = fc.sdpa_flop_count
-    fc.sdpa_flop_count = lambda q, k, v: whole(q, (k[0], q[1], *k[2:]), (v[0], q[1], *v[2:]))
-    back = fc.sdpa_backward_flop_count
-    fc.sdpa_backward_flop_count = lambda g, q, k, v: back(g, q, (k[0], q[1], *k[2:]), (v[0], q[1], *v[2:]))
-
-
-def _scheduler_211():
-    """Two fixes torch 2.13 has and 2.11 lacks, for inductor's overlap scheduler: the FLOP count
-    of grouped-query attention, and waits on one output of a multi-output collective (2.11 read
-    the name of operator.getitem and failed): such waits are left where they are."""
-    import sys as _sys
-
-    import torch.fx
-    from torch._inductor.fx_passes import bucketing
-    _gqa_flops()
-    whole = bucketing._schedulable_wait_node
-
-    def schedulable(node):
-        src = node.args[0] if node.args else None
-        return isinstance(src, torch.fx.Node) and isinstance(src.target, torch._ops.OpOverload) and whole(node)
-    for name, module in list(_sys.modules.items()):
-        if name.startswith("torch._inductor") and getattr(module, "_schedulable_wait_node", None) is whole:
-            module._schedulable_wait_node = schedulable
-
-
 EXPERIMENTS = {  # code paths other than the shipped ones (replaced or proposed), measured against them in one run
-    "gqa-flops": _gqa_flops,
-    "scheduler-211": _scheduler_211,
-    "split-reorder": _tp_overlap({"reorder_for_compute_comm_overlap": True,
-                                  "reorder_for_compute_comm_overlap_passes": ["sink_waits", "raise_comms",
-                                                                              "reorder_compute_for_overlap"]}),
-    "split-plain": _tp_overlap({}),
-    "scheduler-whole": _scheduler_whole,
     "fp8-fp8-gather": _fp8_fp8_gather,
     "split-even": _split_even,
     "sac-save-sdpa": _sac_save_sdpa,

@@ -61,29 +61,13 @@ SUITES = {
     # llama-1B, 16 x 2048 a model replica, compiled (issue 41's two-GPU rows)
     "tp2": [tt("torchtitan tp2", 2, "llama1b_tp2_compile", **TT16),
             mt("tp2 + SP", 2, "tp2_compile", l1b(32), "torchtitan tp2"),
-            mt("tp2 + SP, --tp-split 2", 2, "tp2_split_compile",
-               l1b(32), "torchtitan tp2"),
             tt("torchtitan fsdp2", 2, "llama1b_fsdp2_compile", **TT16),
-            mt("fsdp2", 2, "fsdp2_compile", l1b(32),
-               "torchtitan fsdp2")],
-    # --tp-split's scheduling choices against each other (tp_overlap.py; bench_train's EXPERIMENTS)
-    "tp2-overlap": [mt(f"tp2 + SP, {name}", 2, layout, l1b(32, "--experiment", exp),
-                       "torchtitan tp2")
-                    for name, layout, exp in (("split, reorder passes", "tp2_split_compile", "split-reorder"),
-                                              ("split, no scheduler", "tp2_split_compile", "split-plain"),
-                                              ("split, scheduler with 2.13's fixes", "tp2_split_compile",
-                                               "scheduler-211"),
-                                              ("scheduler, no split", "tp2_compile", "scheduler-whole"))],
+            mt("fsdp2", 2, "fsdp2_compile", l1b(32), "torchtitan fsdp2")],
     # the same at four GPUs
     "tp4": [tt("torchtitan tp4", 4, "llama1b_tp4_compile", **TT16),
             mt("tp4 + SP", 4, "tp4_compile", l1b(16), "torchtitan tp4"),
-            mt("tp4 + SP, --tp-split 2", 4, "tp4_split_compile",
-               l1b(16), "torchtitan tp4"),
             tt("torchtitan tp2 x fsdp2", 4, "llama1b_tp2fsdp2_compile", **TT16),
-            mt("dp2 x tp2 + SP", 4, "tp2dp2_compile", l1b(32),
-               "torchtitan tp2 x fsdp2"),
-            mt("dp2 x tp2 + SP, --tp-split 2", 4, "tp2dp2_split_compile",
-               l1b(32), "torchtitan tp2 x fsdp2")],
+            mt("dp2 x tp2 + SP", 4, "tp2dp2_compile", l1b(32), "torchtitan tp2 x fsdp2")],
     # llama-moe-3B (16 experts, top-2), 4 x 2048 a rank (issue 42's rows)
     "ep2": [tt("torchtitan dp2 x ep2", 2, "moe_ep2_2gpu"),
             mt("--ep 2 --zero 1", 2, "ep2", MOE + ["--global-batch", "8"], "torchtitan dp2 x ep2")],

@@ -81,9 +81,6 @@ class ParallelConfig:
     async_tp: bool = False
     ("overlap SP's all-gathers and reduce-scatters with the matmuls next to them (needs --sp); measured no "
      "faster: tp4 on four H100s 34.5k against 38.1k tokens/s/GPU, tp2 on two H200s even (benchmarks/RESULTS.md)")
-    tp_split: int = 1
-    ("""tensor parallelism: each block runs its micro-batch as this many independent parts, so one part's """
-     """collectives overlap another's matmuls (needs --compile: the compiled block's scheduler orders them)""")
     cp_comm: str = field(default="p2p", metadata={"choices": ("p2p", "allgather", "a2a")})
     """context-parallel attention: p2p (ring), allgather (K/V) or a2a (Ulysses, heads)"""
     loss_parallel: bool = True
@@ -275,10 +272,6 @@ class Config:
         if p.async_tp and not p.sp:
             raise ConfigError("--async-tp overlaps sequence parallelism's all-gathers and reduce-scatters with "
                               "the matmuls: it needs --sp (and --tp > 1)")
-        if p.tp_split > 1 and (p.tp == 1 or not p.compile or p.async_tp):
-            raise ConfigError("--tp-split overlaps tensor parallelism's collectives with the matmuls of another "
-                              "part of the micro-batch; it needs --tp > 1 and --compile (the compiled block's "
-                              "scheduler orders them), and not --async-tp")
         if p.fp8 != "none" and p.async_tp:
             raise ConfigError("--fp8 with --async-tp is not supported: the overlapped matmuls are bf16 ones, of "
                               "weights the fp8 linears hold; use one or the other")

@@ -32,7 +32,7 @@ from typing import Protocol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshtron.distributed import async_tp, float8, tp_overlap
+from meshtron.distributed import async_tp, float8
 from meshtron.distributed.data_parallel import apply_fsdp, autocast_dtype, cast_embeddings, dp_mesh_for
 from meshtron.distributed.mesh import degree
 from meshtron.distributed.recompute import apply_recompute
@@ -53,7 +53,6 @@ class LayoutOptions(Protocol):
     compile: bool           # torch.compile each block
     fp8: str                # "none", "tensorwise", "rowwise"
     async_tp: bool          # async TP's compile pass
-    tp_split: int           # parts of a micro-batch whose TP collectives overlap (tp_overlap)
     mixed_precision: str    # one process's bf16: "autocast" or "fsdp"
 
 
@@ -84,21 +83,8 @@ def fp8_tp_plan(plan: dict, model: nn.Module, mesh: DeviceMesh, config: LayoutOp
 
 def compile_options(config: LayoutOptions) -> dict | None:
     """Each block's inductor options: async TP's pass, or FP8 rowwise's cast rounding
-    (the two are never on together: Config.validate), and the overlap scheduler of
-    --tp-split."""
-    options = {**(async_tp.compile_options(config) or {}), **(float8.compile_options(config) or {})}
-    if config.tp_split > 1:
-        options |= tp_overlap.compile_options()
-    return options or None
-
-
-def apply_tp_split(blocks: list[nn.Module], mesh: DeviceMesh, config: LayoutOptions) -> None:
-    """--tp-split: each block's micro-batch in parts whose TP collectives overlap (after
-    recompute, so each part is recomputed by itself; before compile). Give dense
-    blocks only: a mixture-of-experts block balances its routing over the whole
-    micro-batch."""
-    if config.tp_split > 1 and degree(mesh, "tp") > 1:
-        tp_overlap.split_batch(blocks, config.tp_split)
+    (the two are never on together: Config.validate)."""
+    return async_tp.compile_options(config) or float8.compile_options(config)
 
 
 def _zero(mesh: DeviceMesh, config: LayoutOptions) -> int | None:

@@ -23,9 +23,9 @@ from parity import assert_parity, fb_kwargs, layout, perturbed_builder, pipeline
 SPEC, CFG = models.get("llama-tiny")
 
 
-def _local_parity(rank, world, degrees, sp, pp, split=1):
+def _local_parity(rank, world, degrees, sp, pp):
     m = mesh(**degrees)
-    pcfg = ParallelConfig(sp=sp, loss_parallel=True, zero=3, tp_split=split)
+    pcfg = ParallelConfig(sp=sp, loss_parallel=True, zero=3)
     apply = pipelined(pcfg, SPEC, CFG) if pp else layout(pcfg, SPEC)
     used = []
 
@@ -34,7 +34,6 @@ def _local_parity(rank, world, degrees, sp, pp, split=1):
         parts = out.parts if pp else [out]
         used.append(all(isinstance(b.attention.wq.forward.__self__, torch.nn.Linear)
                         and "LocalColwise" in b.attention.wq.forward.__func__.__qualname__
-                        and any(c.__name__.startswith("Split") for c in type(b).__mro__) == (split > 1)
                         for p in parts for b in p.layers.values()))
         return out
     report = run_parity(m, perturbed_builder(lambda: SPEC.model_cls(CFG, seed=0)), parallelize,
@@ -43,15 +42,12 @@ def _local_parity(rank, world, degrees, sp, pp, split=1):
     return report, used
 
 
-@pytest.mark.parametrize("world,degrees,sp,pp,split", [
-    (2, dict(tp=2), False, False, 1), (2, dict(tp=2), True, False, 1), (4, dict(tp=4), True, False, 1),
-    (4, dict(dp=2, tp=2), True, False, 1), (4, dict(pp=2, tp=2), True, True, 1), (4, dict(pp=2, tp=2), False, True, 1),
-    (2, dict(tp=2), True, False, 2), (4, dict(dp=2, tp=2), True, False, 2), (2, dict(tp=2), False, False, 3)],
-    ids=["tp2", "tp2-sp", "tp4-sp", "dp2xtp2-sp-zero3", "pp2xtp2-sp", "pp2xtp2",
-         "tp2-sp-split2", "dp2xtp2-sp-split2", "tp2-split3"])
-def test_local_blocks_match_one_process(pools, world, degrees, sp, pp, split):
-    # --tp-split: each block's micro-batch in parts (tp_overlap.py) equals the whole one to fp32 rounding
-    results = pools.run(world, _local_parity, degrees, sp, pp, split)
+@pytest.mark.parametrize("world,degrees,sp,pp", [
+    (2, dict(tp=2), False, False), (2, dict(tp=2), True, False), (4, dict(tp=4), True, False),
+    (4, dict(dp=2, tp=2), True, False), (4, dict(pp=2, tp=2), True, True), (4, dict(pp=2, tp=2), False, True)],
+    ids=["tp2", "tp2-sp", "tp4-sp", "dp2xtp2-sp-zero3", "pp2xtp2-sp", "pp2xtp2"])
+def test_local_blocks_match_one_process(pools, world, degrees, sp, pp):
+    results = pools.run(world, _local_parity, degrees, sp, pp)
     assert all(used == [True] for _, used in results), "the dense Llama did not take the local-tensor blocks"
     assert_parity([r for r, _ in results], tol=1e-5)
 

@@ -11,14 +11,7 @@ from meshtron.config import ParallelConfig
 from meshtron.distributed import async_tp, expert_parallel
 from meshtron.distributed.context_parallel import apply_cp
 from meshtron.distributed.mesh import degree
-from meshtron.distributed.parallelize import (
-    apply_compile,
-    apply_dp,
-    apply_fp8,
-    apply_tp_split,
-    compile_options,
-    fp8_tp_plan,
-)
+from meshtron.distributed.parallelize import apply_compile, apply_dp, apply_fp8, compile_options, fp8_tp_plan
 from meshtron.distributed.pipeline_parallel import split_layers
 from meshtron.distributed.recompute import apply_recompute
 from meshtron.distributed.tensor_parallel import (
@@ -107,7 +100,6 @@ def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig
                  position_embeddings=[model.pos_embeddings] if model.pos_embeddings is not None else [],
                  document_masks=[model.document_mask])
     apply_recompute(blocks, parallel.recompute)
-    apply_tp_split([b for b in blocks if not isinstance(b.mlp, MoE)], mesh, parallel)
     if parallel.compile:
         apply_compile(blocks, compile_options(parallel))
     apply_dp(model, mesh, parallel, blocks, experts=[m.experts for m in moe], dp_mesh=dp_mesh)
