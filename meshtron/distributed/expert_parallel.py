@@ -19,9 +19,12 @@ dp x cp x ep like the dense ones: by dp x cp in FSDP's reduction, by ep on
 their way out of the experts (dividing by expert_dp alone would scale them by
 ep: DeepSpeed #6545).
 
-The routing statistics of the auxiliary loss (tokens per expert, mean scores)
-are summed over every rank holding other tokens of the step, dp x cp x ep; the
-gradient of the sum reaches each rank's own part only. Tensor parallelism leaves
+Routing decides per sequence (models/common/moe.py): a sequence split over cp
+ranks is gathered over cp for what needs all of it (per-sequence balancing,
+capacity). The step's statistics (tokens per expert, the aux loss) are summed
+over every rank holding other tokens of the step, dp x cp x ep, once per step;
+the aux loss's mean scores are each rank's part of that sum, its gradient this
+rank's own. Tensor parallelism leaves
 MoE blocks whole on each tp rank (`tp_style`): with sequence parallelism
 their input is all-gathered over tp and their output split again, so the tp
 ranks of a group route the same tokens and compute the same gradients.
@@ -50,6 +53,7 @@ class TokenSum(nn.Module):
     def __init__(self, group):
         super().__init__()
         self.group = group
+        self.size = dist.get_world_size(group)
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
         total = t.detach().clone()
@@ -118,7 +122,8 @@ class AllToAllDispatch(nn.Module):
 def apply_moe(moe_blocks: list[nn.Module], mesh: DeviceMesh) -> None:
     """Lay out MoE blocks on the mesh: expert weights Shard(0) over ep and an
     all-to-all dispatch when ep > 1; routing statistics summed over the ranks with
-    other tokens. Call before tensor parallelism, which then leaves them as they are."""
+    other tokens, each sequence's parts gathered over cp. Call before tensor
+    parallelism, which then leaves them as they are."""
     ep = degree(mesh, "ep")
     n_token_ranks = degree(mesh, "loss")
     group = submesh(mesh, "loss").get_group() if n_token_ranks > 1 else None
@@ -135,6 +140,8 @@ def apply_moe(moe_blocks: list[nn.Module], mesh: DeviceMesh) -> None:
             moe.experts.forward = functools.partial(local_experts, moe.experts, grad_scale=1.0 / ep)
         if group is not None:
             moe.step_sum = TokenSum(group)
+        if degree(mesh, "cp") > 1:
+            moe.seq_parts = TokenSum(mesh["cp"].get_group())
 
 
 def tp_style(sp: bool) -> PrepareModuleInputOutput:

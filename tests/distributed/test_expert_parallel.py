@@ -1,9 +1,9 @@
 """Mixture of experts and expert parallelism (issue 15) on gloo: every layout
 against one process over 10 steps in fp32 (loss, aux loss, gathered gradients
 of experts, router and dense weights, the clipped norm, updated weights, the
-expert bias), the Llama's routing balanced per micro-batch; capacity drops alike
-at every ep degree; the collectives of one
-MoE layer; the recipe at --ep 2 against --dp 2; checkpoints across ep degrees."""
+expert bias), the Llama's routing balanced per sequence; capacity drops alike
+at every ep degree; the collectives of one MoE layer; the recipe's losses under
+five layouts and two micro-batch cuts; checkpoints across ep degrees."""
 import json
 import shutil
 
@@ -125,7 +125,8 @@ def test_one_moe_layer_communicates_one_count_exchange_and_two_all_to_alls(pools
         fwd, bwd = pools.run(world, _comm_counts, degrees)[0]
         assert a2a(fwd) == 3, fwd            # the count exchange, dispatch, combine
         assert a2a(bwd) == 2, bwd            # the mirror of dispatch and combine
-        assert fwd["c10d.allreduce_"] == 1, fwd   # the routing statistics, one sum
+        # routing decides per sequence: no collective for its statistics until end_step's one sum a step
+        assert "c10d.allreduce_" not in fwd, fwd
         assert fwd["c10d._allgather_base_"] == bwd["c10d._reduce_scatter_base_"] == gathers, (fwd, bwd)
     # ep=1 (dp=2): the experts are local, no all-to-all at all
     fwd, bwd = pools.run(2, _comm_counts, dict(dp=2))[0]
@@ -134,28 +135,40 @@ def test_one_moe_layer_communicates_one_count_exchange_and_two_all_to_alls(pools
 
 # ---- the recipe, checkpoints, the model's sizes ---------------------------------------------
 
+# Per-sequence batch balancing leaves some tokens within ~1e-6 of a tie between their k-th
+# and next expert (it moves the cut to them), and the layouts' fp32 rounding of the weights
+# then flips one now and then: at seed 3 over 6 steps the layouts below differed by 2e-5 to
+# 7e-5 with it, 9e-8 without. The recipe checks run without it; the parity suite above
+# runs the Llama's balancing under every layout on data where nothing flips.
 RECIPE = ["--model", "llama-moe-tiny", "--seq-len", "32", "--steps", "4", "--global-batch", "4", "--micro-batch", "2",
-          "--seed", "3", "--warmup", "2", "--log-interval", "1"]
+          "--seed", "3", "--warmup", "2", "--log-interval", "1", "--moe-batch-balance", "0"]
+INVARIANT = ["--model", "llama-moe-tiny", "--seq-len", "32", "--steps", "6", "--global-batch", "8", "--seed", "3",
+             "--warmup", "2", "--log-interval", "1", "--moe-batch-balance", "0"]
 
 
-def test_recipe_ep2_matches_dp2_from_the_metrics_file(pools, tmp_path):
-    # and both match one process. The routing statistics (aux loss, expert load, bias
-    # update) are those of each micro-batch step over all ranks, as in Megatron: one
-    # process takes the 4 sequences 2 ranks hold in one micro-batch step of 2 each
-    losses = {}
-    for name, world, argv in (("ep2", 2, ["--ep", "2"]), ("dp2", 2, ["--dp", "2"]),
-                              ("one", 1, ["--micro-batch", "4"])):
-        f = tmp_path / f"{name}.jsonl"
-        pools.run(world, train, RECIPE + argv + ["--metrics-file", str(f)])
-        rows = [json.loads(line) for line in f.read_text().splitlines()]
-        losses[name] = {r["step"]: r for r in rows if "loss" in r}
-    assert set(losses["ep2"]) == set(losses["dp2"]) == set(losses["one"]) == {1, 2, 3, 4}
-    for name, ref_name in (("ep2", "dp2"), ("ep2", "one"), ("dp2", "one")):
-        for step, row in losses[name].items():
-            ref = losses[ref_name][step]
-            assert abs(row["loss"] - ref["loss"]) / ref["loss"] < 1e-5, (name, ref_name, step, row, ref)
-            assert abs(row["aux_loss"] - ref["aux_loss"]) / ref["aux_loss"] < 1e-5, (name, ref_name, step)
-            assert row["expert_load_max_over_mean"] == pytest.approx(ref["expert_load_max_over_mean"], rel=1e-6)
+def test_moe_losses_do_not_depend_on_the_layout_or_the_micro_batches(pools, tmp_path):
+    # one process, dp2, ep2, dp2 x ep2 and ep2 x tp2 + SP, each cutting its share of the 8
+    # sequences into one and into two micro-batches: the same loss, aux loss and expert load
+    # every step as one process in one micro-batch (routing decides per sequence; f of the aux
+    # loss is the last step's, over all of it)
+    rows = {}
+    for microbatches in (1, 2):
+        for name, world, data_ranks, argv in (("one", 1, 1, []), ("dp2", 2, 2, ["--dp", "2"]),
+                                              ("ep2", 2, 2, ["--ep", "2"]),
+                                              ("dp2 x ep2", 4, 4, ["--dp", "2", "--ep", "2"]),
+                                              ("ep2 x tp2 + SP", 4, 2, ["--ep", "2", "--tp", "2", "--sp"])):
+            f = tmp_path / f"{name.replace(' ', '_')}_{microbatches}.jsonl"
+            mb = 8 // (data_ranks * microbatches)
+            pools.run(world, train, INVARIANT + argv + ["--micro-batch", str(mb), "--metrics-file", str(f)])
+            rows[name, microbatches] = {r["step"]: r for r in map(json.loads, f.read_text().splitlines())
+                                        if "loss" in r}
+    ref = rows.pop(("one", 1))
+    assert set(ref) == set(range(1, 7))
+    for name, got in rows.items():
+        assert set(got) == set(ref), name
+        for step, row in got.items():
+            for key in ("loss", "aux_loss", "expert_load_max_over_mean"):
+                assert abs(row[key] - ref[step][key]) <= 1e-5 * abs(ref[step][key]), (name, step, key, row, ref[step])
 
 
 def test_capacity_shows_its_dropped_fraction(pools, tmp_path):

@@ -2,7 +2,7 @@
 router as the Switch loss's, the expert-bias step is proportional to each
 expert's distance from the mean load (centred), the bias evens a router that sends nearly every token
 to the same experts, the top-k weights sum to 1, the benchmark-only balanced
-routing is exact, batch balancing evens one micro-batch in training only while
+routing is exact, batch balancing evens each sequence in training only while
 the router still learns from its own choice, and llama-moe-tiny trained at its
 preset's defaults ends balanced."""
 import pytest
@@ -19,18 +19,25 @@ def _block(dim=8, **kw):
     return m
 
 
-def test_aux_loss_gradient_is_the_switch_loss_gradient():
-    # the router's gradient with the aux loss minus without it = d/dW of
-    # a E sum_i f_i P_i (f: routed fraction, P: mean score), written out here
-    x = torch.randn(2, 16, 8, generator=torch.Generator().manual_seed(0))
-    grads = {}
+def test_aux_loss_gradient_is_the_switch_loss_gradient_with_the_last_steps_f():
+    # the router's gradient with the aux loss minus without it = d/dW of a E sum_i f_i P_i
+    # (P: mean score over this batch; f: the routed fraction over the whole previous step),
+    # written out here; before any step f is even, and softmax scores leave that no gradient
+    g = torch.Generator().manual_seed(0)
+    first, x = torch.randn(2, 16, 8, generator=g), torch.randn(2, 16, 8, generator=g)
+    grads, first_grads = {}, {}
     for a in (0.0, 0.5):
         m = _block(aux_loss=a, bias_update=0.0)
+        m(first).sum().backward()
+        first_grads[a] = m.router.gate.weight.grad.clone()
+        end_step([m])
+        m.zero_grad()
         m(x).sum().backward()
         grads[a] = m.router.gate.weight.grad
+    torch.testing.assert_close(first_grads[0.5], first_grads[0.0], rtol=0, atol=1e-6)
     w = m.router.gate.weight.detach().clone().requires_grad_()
+    f = torch.bincount((first.reshape(-1, 8) @ w.T).topk(2, -1).indices.flatten(), minlength=4).float() / (32 * 2)
     scores = (x.reshape(-1, 8) @ w.T).softmax(-1)
-    f = torch.bincount(scores.topk(2, -1).indices.flatten(), minlength=4).float() / (32 * 2)
     (0.5 * 4 * (f * scores.mean(0)).sum()).backward()
     # fp32 rounding of two backward passes: measured 1e-6 against gradients of 1e-2
     torch.testing.assert_close(grads[0.5] - grads[0.0], w.grad, rtol=0, atol=1e-5)

@@ -8,32 +8,39 @@ parallelism swaps in one that moves tokens by all-to-all, from outside).
              DeepSeek-V3's, on the logits) pick the experts; their scores,
              renormalized to sum 1 (route_norm,
              Qwen3's; always for sigmoid), weigh the experts' outputs, summed in
-             fp32. `batch_balance` (training only) then evens the top-k over the
-             micro-batch; `balanced` (benchmarks only) assigns experts round-robin
+             fp32. `batch_balance` (training only) then evens the top-k over each
+             sequence; `balanced` (benchmarks only) assigns experts round-robin
     experts  SwiGLU w2(silu(x w1_gate) * x w1_up) or GeLU (x w1 + b1) -> w2 + b2,
              one grouped GEMM per projection over the tokens sorted by expert
     balance  the auxiliary loss a E sum_i f_i P_i (Switch / Megatron: f_i the
-             fraction of tokens the router itself sends to expert i, P_i its
-             mean score, both over every rank's tokens of the step), added to
-             the gradients by an autograd function without changing the logged
-             loss; the expert bias, moved after each step towards equal token
-             counts of the router's own choice in proportion to each expert's
-             distance from the mean load; and, with batch_balance = r rounds, a
-             second bias for this micro-batch alone (batch_bias) that gives
-             every expert about the mean number of its copies: these two train
-             the router to balance over the data, this one evens each step,
-             whose few documents route much alike
+             fraction of copies the router itself sent expert i over the whole
+             previous step, every rank's and micro-batch's (the global batch's,
+             as Qwen balances, one step late so that every micro-batch knows
+             it); P_i its mean score over the tokens), added to the gradients
+             by an autograd function without changing the logged loss; the
+             expert bias, moved after each step towards equal token counts of
+             the router's own choice in proportion to each expert's distance
+             from the mean load; and, with batch_balance = r rounds, a second
+             bias for each sequence alone (batch_bias) that gives every expert
+             about the mean number of its copies: these two train the router to
+             balance over the data, this one evens each step, whose few
+             documents route much alike
     capacity dropless by default; with a capacity factor c each expert takes
-             at most ceil(c k N / E) of the N tokens of the micro-batch (over
-             every rank) and drops the rest, lowest score first, ties by token
-             order: the same tokens at every expert-parallel degree
+             at most ceil(c k T / E) of the T tokens of each sequence and drops
+             the rest, lowest score first, ties by token order
+
+Every routing decision and statistic is a function of one sequence, or of the
+whole previous step: the same sequences give the same losses however the step
+is cut into micro-batches, ranks, experts or tensor-parallel shards (a sequence
+split by context parallelism is gathered for what needs all of it).
 
 Statistics of the step (token counts per expert, the aux loss, tokens dropped)
-are buffers; `end_step` reads them after the optimizer step and moves the
-expert bias. The aux loss's gradient is scaled by `aux_grad_scale`, which the
-layout sets once (set_aux_grad_scale): the factor the layout's gradient
-reduction divides by, over the micro-batches of a step (each micro-batch's aux
-loss weighs 1/micro-batches, as in Megatron).
+are buffers of this rank's tokens; `end_step` sums them over the ranks after the
+optimizer step (one collective for all blocks) and moves the expert bias and f.
+The aux loss's gradient is scaled by `aux_grad_scale`, which the layout sets
+once (set_aux_grad_scale): the factor the layout's gradient reduction divides
+by, over the micro-batches of a step (each micro-batch's aux loss weighs
+1/micro-batches, as in Megatron).
 """
 from __future__ import annotations
 
@@ -61,14 +68,16 @@ class MoEConfig:
     bias_update: float = 3e-3      # aux-loss-free expert bias rate, logits per unit of relative load (0: off)
     capacity: float = 0.0          # capacity factor (0: dropless)
     activation: str = "swiglu"     # swiglu (Llama) or gelu (GPT, with biases)
-    batch_balance: int = 0         # rounds of per-micro-batch balancing while training (0: off)
+    batch_balance: int = 0         # rounds of per-sequence balancing while training (0: off)
     balanced: bool = False         # benchmarks only: round-robin experts instead of the router's choice
 
 
 class StepSum(nn.Module):
-    """Sums a tensor over every rank that holds other tokens of the same step, the
-    gradient flowing to this rank's own part only: the identity in one process;
-    layouts replace it (expert_parallel.TokenSum)."""
+    """Sums a tensor over a group of ranks that hold other tokens (of the same step,
+    or of the same sequences), the gradient flowing to this rank's own part only:
+    the identity in one process; layouts replace it (expert_parallel.TokenSum)."""
+
+    size = 1
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
         return t
@@ -76,6 +85,13 @@ class StepSum(nn.Module):
     def gather(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(every rank's t concatenated in token order, where this rank's rows start)."""
         return t, 0
+
+
+def gather_seq(parts: StepSum, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """t (B, T_local, ...) -> (B, T, ...) with the tokens of the same sequences that the
+    ranks of `parts` hold, and where this rank's start along dim 1."""
+    whole, start = parts.gather(t.transpose(0, 1).contiguous())
+    return whole.transpose(0, 1), start
 
 
 class _AuxLoss(torch.autograd.Function):
@@ -102,10 +118,11 @@ class Router(nn.Module):
         self.gate = nn.Linear(dim, cfg.n_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
 
-    def forward(self, x: torch.Tensor, step_sum: StepSum | None = None):
-        """x (N, dim) -> weights (N, k) fp32, experts (N, k), scores (N, E) fp32, and
-        the router's own top-k (N, k): the experts unless `step_sum` is given (and
-        batch_balance > 0), whose gathered tokens the choice is then evened over."""
+    def forward(self, x: torch.Tensor, batch: int = 1, seq_parts: StepSum | None = None):
+        """x (N, dim), N = batch x tokens -> weights (N, k) fp32, experts (N, k), scores
+        (N, E) fp32, and the router's own top-k (N, k): the experts unless `seq_parts`
+        is given (training, batch_balance > 0), the ranks holding the other tokens of
+        these sequences: each sequence's choice is then evened over all its tokens."""
         with torch.autocast(x.device.type, enabled=False):   # fp32 under autocast too
             logits = F.linear(x.float(), self.gate.weight.float())
         scores = logits.softmax(-1) if self.cfg.score == "softmax" else logits.sigmoid()
@@ -118,10 +135,12 @@ class Router(nn.Module):
             # router sharpens, so a bias on them moves fewer tokens the longer a run trains
             select = logits.detach() + self.expert_bias
             experts = own = select.topk(k, dim=-1).indices
-            if step_sum is not None and self.cfg.batch_balance > 0:
-                # every rank gathers the same logits and finds the same bias: any layout routes alike
-                everyone, _ = step_sum.gather(select)
-                experts = (select + batch_bias(everyone, k, self.cfg.batch_balance)).topk(k, dim=-1).indices
+            if seq_parts is not None and self.cfg.batch_balance > 0:
+                # a bias per sequence, from all of its tokens: any cut of the batch routes alike
+                per_seq = select.view(batch, -1, select.shape[-1])
+                whole, _ = gather_seq(seq_parts, per_seq)
+                bias = batch_bias(whole, k, self.cfg.batch_balance)
+                experts = (per_seq + bias[:, None]).view_as(select).topk(k, dim=-1).indices
         weights = scores.gather(-1, experts)
         if self.cfg.route_norm or self.cfg.score == "sigmoid":
             weights = weights / weights.sum(-1, keepdim=True)
@@ -130,8 +149,8 @@ class Router(nn.Module):
 
 @torch.no_grad()
 def batch_bias(select: torch.Tensor, k: int, rounds: int) -> torch.Tensor:
-    """select (N, E) -> a bias (E,) under which the top-k of select + bias gives each
-    expert about the mean k N / E of the N tokens' copies. Each round moves every
+    """select (..., N, E) -> a bias (..., E) under which the top-k of select + bias gives
+    each expert about the mean k N / E of the N tokens' copies. Each round moves every
     expert's bias towards where, the others' held, it would take exactly that many:
     halfway between its target-th and next token, ranked by how far the expert is
     above (chosen) or below (not chosen) the token's cut-off (the next-best
@@ -140,18 +159,18 @@ def batch_bias(select: torch.Tensor, k: int, rounds: int) -> torch.Tensor:
     taken whole) full moves overshoot and oscillate; 70% of one settles
     (benchmarks/RESULTS.md has the rounds measured). The halfway points keep a
     layout's rounding of the logits from flipping a token at a cut."""
-    n, n_experts = select.shape
-    bias = select.new_zeros(n_experts)
+    n, n_experts = select.shape[-2:]
+    bias = select.new_zeros(*select.shape[:-2], n_experts)
     if k >= n_experts or n < 2:
         return bias
     target = min(math.ceil(k * n / n_experts), n - 1)
     for r in range(rounds):
-        s = select + bias
-        top = s.topk(k + 1, dim=-1).values                      # (N, k+1)
-        chosen = s >= top[:, k - 1:k]
-        cutoff = torch.where(chosen, top[:, k:], top[:, k - 1:k])
-        ranked = (s - cutoff).topk(target + 1, dim=0).values          # (target + 1, E), descending
-        move = torch.lerp(ranked[-2], ranked[-1], 0.5).nan_to_num(0.0, 0.0, 0.0)   # one masked off (-inf) stays off
+        s = select + bias.unsqueeze(-2)
+        top = s.topk(k + 1, dim=-1).values                      # (..., N, k+1)
+        chosen = s >= top[..., k - 1:k]
+        cutoff = torch.where(chosen, top[..., k:], top[..., k - 1:k])
+        ranked = (s - cutoff).topk(target + 1, dim=-2).values          # (..., target + 1, E), descending
+        move = torch.lerp(ranked[..., -2, :], ranked[..., -1, :], 0.5).nan_to_num(0.0, 0.0, 0.0)   # -inf stays off
         bias -= (1.0 if r == 0 else 0.7) * move
     return bias
 
@@ -241,7 +260,8 @@ class MoE(nn.Module):
         self.router = Router(dim, cfg)
         self.experts = Experts(dim, cfg)
         self.dispatch = LocalDispatch()
-        self.step_sum = StepSum()
+        self.step_sum = StepSum()     # the ranks holding other tokens of the step (end_step sums over them)
+        self.seq_parts = StepSum()    # the ranks holding other tokens of the same sequences (context parallel)
         self.shared = None
         if cfg.n_shared:
             self.shared = Experts(dim, MoEConfig(hidden=cfg.n_shared * cfg.hidden, activation=cfg.activation), 1)
@@ -254,6 +274,9 @@ class MoE(nn.Module):
         self.register_buffer("aux_loss_sum", torch.zeros(()), persistent=False)
         self.register_buffer("dropped", torch.zeros(()), persistent=False)
         self.register_buffer("calls", torch.zeros(()), persistent=False)
+        # f of the aux loss: the share of the router's own copies each expert took over the last
+        # step, every rank's (end_step); even before the first. Persistent: a resume continues it
+        self.register_buffer("load_fraction", torch.full((cfg.n_experts,), 1.0 / cfg.n_experts))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if h.is_meta:   # a pipeline schedule's shape inference (torch 2.11): nothing to route
@@ -261,17 +284,10 @@ class MoE(nn.Module):
         B, T, dim = h.shape
         E = self.cfg.n_experts
         x = h.reshape(-1, dim)
-        weights, experts, scores, own = self.router(x, self.step_sum if self.training else None)
-        # one sum over the ranks: [tokens per expert, the router's own choice's, tokens, scores per expert]
-        run = expert_counts(experts, E).float()
-        local = torch.cat([run, run if own is experts else expert_counts(own, E).float(),
-                           x.new_full((1,), x.shape[0], dtype=torch.float32), scores.sum(0)])
-        counts, own_counts, n_tokens, score_sums = self.step_sum(local).split([E, E, 1, E])
+        weights, experts, scores, own = self.router(x, B, self.seq_parts if self.training else None)
         capacity = self.cfg.capacity if self.training else 0.0   # evaluation and generation keep every token
-        if capacity > 0:   # decided over every rank's tokens: the same drops under any layout
-            (all_w, start), (all_e, _) = self.step_sum.gather(weights.detach()), self.step_sum.gather(experts)
-            all_keep = capacity_keep(all_w, all_e, E, capacity, all_e.shape[0])
-            keep = all_keep[start:start + x.shape[0]]
+        if capacity > 0:   # decided over each whole sequence: the same drops under any layout
+            keep = self._capacity_keep(weights.detach().view(B, T, -1), experts.view(B, T, -1), capacity)
             weights = weights * keep
         out = self.dispatch(x, weights, experts, self.experts)
         if self.shared is not None:
@@ -282,18 +298,28 @@ class MoE(nn.Module):
         # and end_step reports ratios (per call, per routed copy)
         with torch.no_grad():
             self.calls += 1
-            self.tokens_per_expert += counts
-            self.own_per_expert += own_counts
+            run = expert_counts(experts, E).float()
+            self.tokens_per_expert += run
+            self.own_per_expert += run if own is experts else expert_counts(own, E).float()
             if capacity > 0:
-                self.dropped += (~all_keep).sum()
+                self.dropped += (~keep).sum()
         if self.cfg.aux_loss > 0:
-            # Switch: E * sum_i f_i P_i over every rank's tokens of this micro-batch, f of the
-            # router's own choice (batch balancing evens the counts, which would leave no gradient)
-            f = own_counts / (n_tokens * self.cfg.top_k)
-            aux = self.cfg.aux_loss * E * (f * score_sums / n_tokens).sum()
+            # Switch: E * sum_i f_i P_i, P_i the mean score over the micro-batch's tokens of
+            # every rank (each holds as many: this rank's part of the sum, the gradient its own)
+            n_tokens = x.shape[0] * self.step_sum.size
+            f = self.load_fraction.clone()    # saved for backward: end_step may move the buffer first
+            aux = self.cfg.aux_loss * E * (scores.sum(0) * f).sum() / n_tokens
             self.aux_loss_sum += aux.detach()
             out = _AuxLoss.apply(out, aux, self.aux_grad_scale)
         return out.view(B, T, dim)
+
+    def _capacity_keep(self, weights: torch.Tensor, experts: torch.Tensor, capacity: float) -> torch.Tensor:
+        """(B, T_local, k) -> (B * T_local, k) bool: capacity_keep over each whole sequence."""
+        all_w, start = gather_seq(self.seq_parts, weights)
+        all_e, _ = gather_seq(self.seq_parts, experts)
+        keep = torch.stack([capacity_keep(w, e, self.cfg.n_experts, capacity, w.shape[0])
+                            for w, e in zip(all_w, all_e)])
+        return keep[:, start:start + weights.shape[1]].reshape(-1, weights.shape[-1])
 
 
 class RoutingStats(NamedTuple):
@@ -321,21 +347,31 @@ def set_aux_grad_scale(blocks: list[MoE], n_dp: int, microbatches: int) -> None:
 
 @torch.no_grad()
 def end_step(blocks: list[MoE]) -> RoutingStats:
-    """After the optimizer step: move each expert's bias towards equal loads of the
-    router's own choice, by bias_update x (1 - load / mean load), from the step's
-    token counts over every rank; keep them in `last_step`; reset the statistics.
+    """After the optimizer step: sum the step's statistics over the ranks holding its
+    other tokens (one collective for every block); move each expert's bias towards
+    equal loads of the router's own choice, by bias_update x (1 - load / mean load);
+    keep each expert's share of those copies as the next step's f (load_fraction) and
+    the loads in `last_step`; reset the statistics.
     DeepSeek-V3 steps by bias_update x sign(mean - load): a fixed step that
     overshoots near balance, where the router's logits differ by little (early in
     training), and catches up slowly with a collapsed start; the proportional step
     does neither.
-    Returns this rank's RoutingStats."""
+    Returns the step's RoutingStats (the same on every rank of it)."""
     out = torch.zeros(5, device=blocks[0].calls.device if blocks else None)
-    for m in blocks:
-        load, own = m.tokens_per_expert, m.own_per_expert
+    if not blocks:
+        return RoutingStats(*out)
+    summed = blocks[0].step_sum(torch.stack([torch.cat([m.tokens_per_expert, m.own_per_expert,
+                                                        torch.stack([m.aux_loss_sum, m.dropped])])
+                                             for m in blocks]))
+    for m, row in zip(blocks, summed):
+        E = m.cfg.n_experts
+        load, own, (aux, dropped) = row[:E], row[E:2 * E], row[2 * E:]
         if m.cfg.bias_update > 0 and not m.cfg.balanced:
             step = m.cfg.bias_update * (1 - own / own.mean().clamp_min(1e-9))
             m.router.expert_bias += step - step.mean()   # centred: only differences select
-        out[:SUMMED] += torch.stack([m.aux_loss_sum, m.dropped, load.sum()]) / m.calls.clamp_min(1)
+        if own.sum() > 0:
+            m.load_fraction.copy_(own / own.sum())
+        out[:SUMMED] += torch.stack([aux, dropped, load.sum()]) / m.calls.clamp_min(1)
         worst = torch.stack([x.max() / x.mean().clamp_min(1e-9) for x in (load, own)])
         out[SUMMED:] = torch.maximum(out[SUMMED:], worst)
         m.last_step.copy_(torch.stack([load, own]))
@@ -376,3 +412,4 @@ def init_moe(moe: MoE, seed: int, prefix: str, std: float, out_std: float, norma
         fill(p, full)
     for b in moe.buffers():
         b.zero_()
+    moe.load_fraction.fill_(1.0 / moe.cfg.n_experts)   # f: even before the first step
