@@ -23,8 +23,9 @@ Where each comes from, per micro-batch unless said:
   per chunk of C tokens. SP's norms give Partial gradients, all-reduced over tp.
 - CP: the ring passes K and V round (cp - 1 steps forward, again backward) and
   dK, dV in the attention's accumulator (fp32 on GPUs, fp64 on the CPU).
-- MoE: per block the routing sums over the ranks holding other tokens, and with
-  batch balancing a gather of their fp32 logits.
+- MoE: per step one sum of every block's routing statistics over the ranks
+  holding other tokens; under cp per block a gather of each sequence's fp32
+  logits over cp (batch balancing) and of its weights and experts (capacity).
 - EP: per MoE block an all-to-all of the expert counts, of the token copies
   there and back, and both again backward. What a rank receives depends on the
   routing: predicted as if every rank received what it sends (exact summed
@@ -232,15 +233,15 @@ def _cp_blocks(t: _Tally, s: _Step, blocks: int) -> None:
 
 
 def _moe_blocks(t: _Tally, s: _Step, blocks: int) -> None:
-    """Each MoE block's routing sums, batch balancing's and capacity's gathers and ep all-to-alls."""
+    """Each MoE block's gathers of a cp-split sequence (batch balancing, capacity) and ep all-to-alls."""
     moe, m, refwd, tokens = s.cfg.moe, s.m * blocks, s.refwd, s.tokens
     E, k = moe.n_experts, moe.top_k
-    t.add("all_reduce", s.loss_label, (3 * E + 1) * 4, m * (1 + refwd))
+    seq = "cp" if s.d["cp"] > 1 else ""
     if moe.batch_balance > 0 and not moe.balanced:   # the selection logits, fp32
-        t.add("all_gather", s.loss_label, tokens * E * 4, m * (1 + refwd))
+        t.add("all_gather", seq, tokens * E * 4, m * (1 + refwd), part="cp")
     if moe.capacity > 0:
-        t.add("all_gather", s.loss_label, tokens * k * s.a, m * (1 + refwd))
-        t.add("all_gather", s.loss_label, tokens * k * 8, m * (1 + refwd))
+        t.add("all_gather", seq, tokens * k * s.a, m * (1 + refwd), part="cp")
+        t.add("all_gather", seq, tokens * k * 8, m * (1 + refwd), part="cp")
     if s.d["ep"] > 1:
         t.add("all_to_all", "ep", 8 * E, m * (1 + refwd), part="ep")
         t.add("all_to_all", "ep", tokens * k * s.cfg.dim * s.a, m * (4 + 2 * refwd), part="ep")
@@ -289,6 +290,9 @@ def _activations(t: _Tally, s: _Step) -> None:
             _tp_embedding(t, s)
         if tp > 1 and stage == s.n_stages - 1:
             _tp_head(t, s)
+    if moe is not None:   # end_step: every block's statistics of the step, one sum
+        blocks = sum(n for *_, n in s.summaries)
+        t.add("all_reduce", s.loss_label, blocks * (2 * moe.n_experts + 2) * 4)
 
 
 def _pipeline(t: _Tally, s: _Step) -> None:
