@@ -21,9 +21,9 @@ flops_per_token / the GPU's dense bf16 peak (meshtron.train.metrics); peak memor
 torch.cuda.max_memory_allocated (and _reserved, which torchtitan logs), the
 largest over ranks. Every step's loss and gradient norm are recorded (`losses`,
 `grad_norms`): all layouts train the same batches from the same weights, at lr
-1e-4 unless --lr says otherwise, so they must agree to bf16 noise. Peers (torchtitan, the
-plain model) are run by benchmarks/vs_torchtitan.sh in the same call and joined
-here by --summarize.
+1e-4 unless --lr says otherwise, so they must agree to bf16 noise. Peers (torchtitan) run
+beside it in benchmarks/suite.py's suites; --summarize --peer joins a peer's rows
+by layout name.
 """
 from __future__ import annotations
 

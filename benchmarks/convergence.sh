@@ -4,12 +4,12 @@
 # (warmup, then cosine to 0.1 of the peak over the whole run: torchtitan's decay_type cosine with
 # decay_ratio 1 and min_lr_factor 0.1 is meshtron's warmup_cosine), then one plot of the three curves.
 #
-# Same tokens: `prepare` (once, on the CPU machine, with the kit in .peer/: see benchmarks/vs_torchtitan.sh)
+# Same tokens: `prepare` (once, on a machine with the kit in .peer/: ../shared/torchtitan-peer/README.md)
 # replays torchtitan's loader (each document as BOS + ids + EOS, one stream, cut into windows of SEQ + 1
 # tokens, re-looped at the end) for STEPS x MB windows and writes each window's first SEQ tokens to a
 # .u16 file, which meshtron reads in order (--no-shuffle): every step both see the same inputs, and all
 # targets but each sequence's last are the same.
-# Run on the GPU machine (device call with carry [".peer", ".whl"]):
+# Run on the GPU machine from the checkout, with .peer/ (the kit) and torchao installed:
 #   OUT=$OUT bash benchmarks/convergence.sh [bf16] [fp8] [torchtitan]     (default: all three, then the summary)
 #   bash benchmarks/convergence.sh summary        (last-20-step means and the plot from $OUT)
 # Env: MT_ARGS (more meshtron flags) STEPS=300 MB=8 (sequences a step) SEQ=2048 LR=3e-4 (llama-1B's preset) WARMUP=30 MODEL=llama-1B

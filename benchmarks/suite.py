@@ -1,14 +1,21 @@
-"""Named benchmark suites: meshtron's layouts and their peers side by side, in one call.
+"""Named benchmark suites: meshtron's layouts and their peers side by side, in one run.
 
     python benchmarks/suite.py list
     OUT=$OUT python benchmarks/suite.py tp2 [ep2 ...] [--pack] [--steps 30]
 
+Suites: 1gpu and fp8 (one GPU at the issue's batches, an H200's memory; 1gpu-80g and
+fp8-80g: half the batches for an 80 GB GPU), tp2, tp4, fsdp4, pp, cp1, cp2, cp4, moe1,
+ep2, ep4 (`list` prints each row). What no suite expresses has one script:
+benchmarks/documents.sh (packed documents, with a torchtitan flex flavor) and
+benchmarks/convergence.sh (300-step loss curves against torchtitan's).
+
 A suite is a list of jobs. A meshtron job runs benchmarks/bench_train.py (the recipe's
 own step; every field it measures lands in OUT/results.jsonl); a peer job runs the
 torchtitan 0.2.2 kit (.peer/run.sh, built per ../shared/torchtitan-peer/README.md and
-carried to the GPU machine) and its tokens/s is the median of its 5-step windows after
+copied to .peer/ in the checkout) and its tokens/s is the median of its 5-step windows after
 the first (which holds compilation; TP windows swing by up to 25%). Each meshtron row
-names the peer job it is compared with. `--pack` runs jobs side by side on disjoint
+names the row it is compared with (a peer's, or another meshtron row's where the peer has
+no such layout: the pipelines against dp, the GPT's FP8 against its bf16). `--pack` runs jobs side by side on disjoint
 GPUs of the machine (a two-GPU job on GPUs 0-1 beside another on 2-3); timings meant
 for benchmarks/RESULTS.md run unpacked, one job at a time.
 """
@@ -28,13 +35,25 @@ from dataclasses import dataclass, field
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def l1b(global_batch: int, *more) -> list[str]:
+def l1b(global_batch: int, *more, micro_batch: int = 16, model: str = "llama-1B") -> list[str]:
     """llama-1B (untied, as torchtitan's), 16 x 2048 a model replica, global batch `global_batch`."""
-    return ["--model", "llama-1B", "--untie-embeddings", "--seq-len", "2048", "--micro-batch", "16",
+    return ["--model", model, "--untie-embeddings", "--seq-len", "2048", "--micro-batch", str(micro_batch),
             "--global-batch", str(global_batch), *more]
 
 
+def l3b(global_batch: int, *more, micro_batch: int = 8) -> list[str]:
+    """llama-3B (untied), 8 x 2048 a model replica."""
+    return l1b(global_batch, *more, micro_batch=micro_batch, model="llama-3B")
+
+
+def l617m(seq: int, *more) -> list[str]:
+    """llama-617M (8 x 2048, torchtitan's cp_8l shape), one sequence of `seq` tokens a step."""
+    return ["--model", "llama-617M", "--seq-len", str(seq), "--micro-batch", "1", "--global-batch", "1", *more]
+
+
 MOE = ["--model", "llama-moe-3B", "--seq-len", "2048", "--micro-batch", "4"]
+GPT = ["--model", "1.3B", "--seq-len", "2048", "--micro-batch", "8", "--global-batch", "8"]
+PIPE = l1b(32, micro_batch=4)   # the pipeline rows: global batch 32, micro-batch 4
 
 
 @dataclass
@@ -43,7 +62,7 @@ class Job:
     gpus: int
     layout: str = ""           # bench_train layout (meshtron) or run.sh variant (peer)
     flags: list = field(default_factory=list)
-    peer: str | None = None    # the peer row this one is compared with
+    peer: str | None = None    # the row this one is compared with (a peer's, or another meshtron row's)
     env: dict = field(default_factory=dict)
     is_peer: bool = False
 
@@ -56,9 +75,56 @@ def tt(name, gpus, variant, **env):
     return Job(name, gpus, variant, [], None, env, is_peer=True)
 
 
-TT16 = {"TT3_ARGS": "--training.local_batch_size 16"}
+def tt_batch(n: int) -> dict:
+    """The peer's sequences per data-parallel rank (TT3_ARGS, read by .peer/run.sh)."""
+    return {"TT3_ARGS": f"--training.local_batch_size {n}"}
+
+
+TT16 = tt_batch(16)
+# torchtitan's MoE routing load (benchmarks/torchtitan/tt3_moe_load.py), and its forced balance
+TT_MOE_LOAD = {"PYTHONPATH": os.path.join(ROOT, "benchmarks", "torchtitan"),
+               "TT3_ARGS": "--experimental.custom_import tt3_moe_load"}
+TT_MOE_BALANCED = {**TT_MOE_LOAD, "TT3_ARGS": TT_MOE_LOAD["TT3_ARGS"] + " --debug.moe_force_load_balance"}
+
 SUITES = {
-    # llama-1B, 16 x 2048 a model replica, compiled (issue 41's two-GPU rows)
+    # one GPU, Llama 3.2 shapes untied, bf16 (16 x 2048 and 8 x 2048: an H200's memory; `1gpu-80g` on an H100)
+    "1gpu": [tt("torchtitan llama-1B eager", 1, "llama1b_1gpu", **TT16),
+             mt("llama-1B eager", 1, "1gpu", l1b(16), "torchtitan llama-1B eager"),
+             tt("torchtitan llama-1B", 1, "llama1b_1gpu_compile", **TT16),
+             mt("llama-1B", 1, "1gpu_compile", l1b(16), "torchtitan llama-1B"),
+             tt("torchtitan llama-3B", 1, "llama3b_1gpu_compile", **tt_batch(8)),
+             mt("llama-3B", 1, "1gpu_compile", l3b(8), "torchtitan llama-3B")],
+    # FP8 (torchao Float8Linear, output head bf16) beside bf16, compiled, one GPU at the issue's shapes (an H200);
+    # the GPT 1.3B has no peer: its FP8 row is compared with its bf16 row
+    "fp8": [tt("torchtitan llama-1B bf16", 1, "llama1b_1gpu_compile", **TT16),
+            mt("llama-1B bf16", 1, "1gpu_compile", l1b(16), "torchtitan llama-1B bf16"),
+            tt("torchtitan llama-1B FP8 tensorwise", 1, "llama1b_1gpu_fp8", **TT16),
+            mt("llama-1B FP8 tensorwise", 1, "1gpu_fp8_compile", l1b(16), "torchtitan llama-1B FP8 tensorwise"),
+            tt("torchtitan llama-1B FP8 rowwise", 1, "llama1b_1gpu_fp8_rowwise", **TT16),
+            mt("llama-1B FP8 rowwise", 1, "1gpu_fp8_rowwise_compile", l1b(16), "torchtitan llama-1B FP8 rowwise"),
+            tt("torchtitan llama-3B bf16", 1, "llama3b_1gpu_compile", **tt_batch(8)),
+            mt("llama-3B bf16", 1, "1gpu_compile", l3b(8), "torchtitan llama-3B bf16"),
+            tt("torchtitan llama-3B FP8 tensorwise", 1, "llama3b_1gpu_fp8", **tt_batch(8)),
+            mt("llama-3B FP8 tensorwise", 1, "1gpu_fp8_compile", l3b(8), "torchtitan llama-3B FP8 tensorwise"),
+            mt("GPT 1.3B bf16", 1, "1gpu_compile", GPT),
+            mt("GPT 1.3B FP8 tensorwise", 1, "1gpu_fp8_compile", GPT, "GPT 1.3B bf16")],
+    # the same on an 80 GB GPU: half the batches
+    "1gpu-80g": [tt("torchtitan llama-1B, 8 x 2048", 1, "llama1b_1gpu_compile", **tt_batch(8)),
+                 mt("llama-1B, 8 x 2048", 1, "1gpu_compile", l1b(8, micro_batch=8), "torchtitan llama-1B, 8 x 2048"),
+                 tt("torchtitan llama-3B, 4 x 2048", 1, "llama3b_1gpu_compile", **tt_batch(4)),
+                 mt("llama-3B, 4 x 2048", 1, "1gpu_compile", l3b(4, micro_batch=4),
+                    "torchtitan llama-3B, 4 x 2048")],
+    "fp8-80g": [tt("torchtitan llama-1B, 8 x 2048", 1, "llama1b_1gpu_compile", **tt_batch(8)),
+                mt("llama-1B, 8 x 2048", 1, "1gpu_compile", l1b(8, micro_batch=8), "torchtitan llama-1B, 8 x 2048"),
+                tt("torchtitan llama-1B FP8, 8 x 2048", 1, "llama1b_1gpu_fp8", **tt_batch(8)),
+                mt("llama-1B FP8, 8 x 2048", 1, "1gpu_fp8_compile", l1b(8, micro_batch=8),
+                   "torchtitan llama-1B FP8, 8 x 2048"),
+                tt("torchtitan llama-3B, 4 x 2048", 1, "llama3b_1gpu_compile", **tt_batch(4)),
+                mt("llama-3B, 4 x 2048", 1, "1gpu_compile", l3b(4, micro_batch=4), "torchtitan llama-3B, 4 x 2048"),
+                tt("torchtitan llama-3B FP8, 4 x 2048", 1, "llama3b_1gpu_fp8", **tt_batch(4)),
+                mt("llama-3B FP8, 4 x 2048", 1, "1gpu_fp8_compile", l3b(4, micro_batch=4),
+                   "torchtitan llama-3B FP8, 4 x 2048")],
+    # llama-1B, 16 x 2048 a model replica, compiled, two GPUs
     "tp2": [tt("torchtitan tp2", 2, "llama1b_tp2_compile", **TT16),
             mt("tp2 + SP", 2, "tp2_compile", l1b(32), "torchtitan tp2"),
             tt("torchtitan fsdp2", 2, "llama1b_fsdp2_compile", **TT16),
@@ -68,9 +134,52 @@ SUITES = {
             mt("tp4 + SP", 4, "tp4_compile", l1b(16), "torchtitan tp4"),
             tt("torchtitan tp2 x fsdp2", 4, "llama1b_tp2fsdp2_compile", **TT16),
             mt("dp2 x tp2 + SP", 4, "tp2dp2_compile", l1b(32), "torchtitan tp2 x fsdp2")],
-    # llama-moe-3B (16 experts, top-2), 4 x 2048 a rank (issue 42's rows)
+    # data parallel on four GPUs: llama-1B ZeRO-1 (16 x 2048 a rank), llama-8B ZeRO-3 (2 x 2048 a rank), compiled
+    "fsdp4": [tt("torchtitan fsdp4", 4, "llama1b_fsdp4_compile", **TT16),
+              mt("dp4 ZeRO-1", 4, "fsdp4_compile", l1b(64), "torchtitan fsdp4"),
+              tt("torchtitan llama-8B fsdp4", 4, "llama8b_fsdp4_compile", **tt_batch(2)),
+              mt("llama-8B dp4 ZeRO-3", 4, "fsdp4_zero3_compile",
+                 ["--model", "llama-8B", "--seq-len", "2048", "--micro-batch", "2", "--global-batch", "8"],
+                 "torchtitan llama-8B fsdp4")],
+    # pipelines on four GPUs, llama-1B, global batch 32: pp2 x tp2 against dp2 x tp2 at the same micro-batch (4,
+    # compiled), at each layout's natural micro-batch (8 and 16), and the schedules' bubbles against dp4 (eager,
+    # micro-batch 4; each pipeline row records its predicted and measured bubble)
+    "pp": [mt("dp2 x tp2, micro-batch 4", 4, "tp2dp2_compile", PIPE),
+           mt("pp2 x tp2, micro-batch 4", 4, "pp2tp2_compile", PIPE, "dp2 x tp2, micro-batch 4"),
+           mt("dp2 x tp2, micro-batch 16", 4, "tp2dp2_compile", l1b(32)),
+           mt("pp2 x tp2, 4 micro-batches of 8", 4, "pp2tp2_m4_compile", l1b(32, micro_batch=8),
+              "dp2 x tp2, micro-batch 16"),
+           mt("dp4 ZeRO-1, micro-batch 4", 4, "fsdp4", PIPE),
+           mt("pp4 1F1B", 4, "pp4_1f1b", PIPE, "dp4 ZeRO-1, micro-batch 4"),
+           mt("pp4 interleaved", 4, "pp4_interleaved", PIPE, "dp4 ZeRO-1, micro-batch 4"),
+           mt("pp4 ZBV", 4, "pp4_zbv", PIPE, "dp4 ZeRO-1, micro-batch 4"),
+           mt("dp2 x pp2 1F1B", 4, "dp2pp2_1f1b", PIPE, "dp4 ZeRO-1, micro-batch 4"),
+           mt("dp2 x pp2 interleaved", 4, "dp2pp2_interleaved", PIPE, "dp4 ZeRO-1, micro-batch 4"),
+           mt("dp2 x pp2 ZBV", 4, "dp2pp2_zbv", PIPE, "dp4 ZeRO-1, micro-batch 4")],
+    # long context, llama-617M, one sequence a step, not compiled (torchtitan's cp_8l shape)
+    "cp1": [tt("torchtitan cp1 16K", 1, "cp1_16k"),
+            mt("16K, one GPU", 1, "1gpu", l617m(16384), "torchtitan cp1 16K")],
+    "cp2": [tt("torchtitan cp2 32K", 2, "cp2_32k"),
+            mt("32K, cp2 (ring)", 2, "cp2", l617m(32768), "torchtitan cp2 32K")],
+    "cp4": [tt("torchtitan cp4 64K", 4, "cp4_64k"),
+            mt("64K, cp4 (ring)", 4, "cp4", l617m(65536), "torchtitan cp4 64K"),
+            tt("torchtitan cp4 128K", 4, "cp4_128k"),
+            mt("128K, cp4 (ring)", 4, "cp4", l617m(131072), "torchtitan cp4 128K")],
+    # llama-moe-3B (16 experts, top-2), 4 x 2048 a rank, not compiled; each side's routing load is recorded
+    # (meshtron: expert_load_*; torchtitan: tt3_moe_load's line in its log)
+    "moe1": [tt("torchtitan moe natural", 1, "moe_1gpu", **TT_MOE_LOAD),
+             mt("moe, batch balancing (defaults)", 1, "1gpu", MOE + ["--global-batch", "4"], "torchtitan moe natural"),
+             mt("moe, the router's own choice", 1, "1gpu", MOE + ["--global-batch", "4", "--moe-batch-balance", "0"],
+                "torchtitan moe natural"),
+             tt("torchtitan moe balanced", 1, "moe_1gpu", **TT_MOE_BALANCED),
+             mt("moe, forced balanced", 1, "1gpu", MOE + ["--global-batch", "4", "--moe-balanced-routing"],
+                "torchtitan moe balanced")],
     "ep2": [tt("torchtitan dp2 x ep2", 2, "moe_ep2_2gpu"),
             mt("--ep 2 --zero 1", 2, "ep2", MOE + ["--global-batch", "8"], "torchtitan dp2 x ep2")],
+    "ep4": [tt("torchtitan dp4 x ep4", 4, "moe_ep4"),
+            mt("--ep 4 --zero 1", 4, "ep4", MOE + ["--global-batch", "16"], "torchtitan dp4 x ep4"),
+            tt("torchtitan moe fsdp4", 4, "moe_fsdp4"),
+            mt("dp4 ZeRO-1, experts replicated", 4, "fsdp4", MOE + ["--global-batch", "16"], "torchtitan moe fsdp4")],
 }
 
 
@@ -164,8 +273,10 @@ def run(jobs: list[Job], out: str, args) -> list[dict]:
 
 def table(results: list[dict]) -> str:
     by_name = {r["name"]: r for r in results}
-    rows = ["| row | GPUs | tokens/s/GPU | MFU | against | ratio | compute ms | NCCL ms | exposed ms | step ms |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    bubbles = any("bubble_predicted" in r for r in results)
+    rows = ["| row | GPUs | tokens/s/GPU | MFU | against | ratio | compute ms | NCCL ms | exposed ms | step ms |"
+            + (" bubble predicted / measured |" if bubbles else ""),
+            "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if bubbles else "")]
     for r in results:
         tps, peer = r.get("tokens_per_s_per_gpu"), by_name.get(r.get("peer") or "")
         ratio = f"{tps / peer['tokens_per_s_per_gpu']:.3f}" if tps and peer and peer.get(
@@ -178,6 +289,9 @@ def table(results: list[dict]) -> str:
                     f"{r.get('peer') or ''} | {ratio} | {ms('compute_busy_ms')} | {ms('nccl_ms')} | "
                     f"{ms('exposed_comm_ms')} | {r.get('step_ms', 0):.1f} |" if tps else
                     f"| {r['name']} | {r['world']} | failed (rc {r.get('rc')}) | | | | | | | |")
+        if bubbles:
+            measured = " ".join(f"{b:.2f}" for b in r.get("bubble_measured") or [])
+            rows[-1] += (f" {r['bubble_predicted']:.3f} / {measured} |" if "bubble_predicted" in r else " |")
     return "\n".join(rows)
 
 
@@ -195,7 +309,13 @@ def main():
     args = p.parse_args()
     if args.suites == ["list"]:
         for name, jobs in SUITES.items():
-            print(f"{name}: " + "; ".join(f"{j.name} ({j.gpus} GPUs)" for j in jobs))
+            print(f"{name}:")
+            for j in jobs:
+                what = f"torchtitan run.sh {j.layout}" if j.is_peer else f"bench_train.py --layouts {j.layout}"
+                print(f"  {j.name} ({j.gpus} GPU{'s' if j.gpus > 1 else ''}): {what}"
+                      + (f" {' '.join(j.flags)}" if j.flags else "")
+                      + (f" {j.env['TT3_ARGS']}" if j.is_peer and "TT3_ARGS" in j.env else "")
+                      + (f"; against {j.peer}" if j.peer else ""))
         return
     unknown = [s for s in args.suites if s not in SUITES]
     if unknown:
@@ -203,7 +323,11 @@ def main():
     out = os.environ.get("OUT") or "/tmp/suite"
     os.makedirs(out, exist_ok=True)
     only = {n.strip() for n in args.only.split(";") if n.strip()}
-    jobs = [j for s in args.suites for j in SUITES[s] if not only or j.name in only]
+    jobs, seen = [], set()   # a row in two of the suites asked for runs once
+    for j in (j for s in args.suites for j in SUITES[s] if not only or j.name in only):
+        if j.name not in seen:
+            seen.add(j.name)
+            jobs.append(j)
     for j in jobs:
         if not j.is_peer and args.extra:
             j.flags = j.flags + args.extra.split()

@@ -299,6 +299,7 @@ PROGRAMS = {  # how a command line names a program -> how to ask it for its help
     "benchmarks/bench_async_tp.py": "benchmarks/bench_async_tp.py",
     "benchmarks/bench_fused_loss.py": "benchmarks/bench_fused_loss.py",
     "benchmarks/moe_balance.py": "benchmarks/moe_balance.py",
+    "benchmarks/suite.py": "benchmarks/suite.py",
     "benchmarks/compare_grads.py": "docstring",    # no --help: its flags are in its docstring
     "torchrun": "torchrun",   # and meshtron-run, which takes torchrun's flags
 }

@@ -3,7 +3,7 @@
 FlexAttention and its block_causal mask (documents split after each end-of-text id
 of the tokenizer, causal within each), the flavor arguments of torchtitan's own
 `debugmodel_flex_attn` / `8B_flex`. Loaded through `--experimental.custom_import
-documents_flavors` (benchmarks/documents_gpu.sh); only adds an entry to the table.
+documents_flavors` (benchmarks/documents.sh); only adds an entry to the table.
 """
 import dataclasses
 

@@ -1,5 +1,5 @@
 """meshtron's Llama presets as torchtitan 0.2.2 llama3 flavors, for a side-by-side
-on the same model (benchmarks/vs_torchtitan.sh). Loaded by torchtitan through
+on the same model (benchmarks/documents.sh). Loaded by torchtitan through
 `--experimental.custom_import meshtron_flavors`; only adds entries to its table.
 
 llama-1B = Llama 3.2 1B's shape: 16 x 2048, 32 heads, 8 KV heads, SwiGLU 8192

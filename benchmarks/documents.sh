@@ -1,7 +1,10 @@
 #!/bin/bash
-# Packed documents on four GPUs of one host (issue 37), every side of each comparison in one call.
+# Packed documents on four GPUs of one host (issue 37): meshtron's document mask (FlexAttention)
+# against causal attention and against torchtitan 0.2.2's flex + block_causal flavor, every side of
+# each comparison in one run; the suites (benchmarks/suite.py) cannot express its staged
+# bench_documents.py runs nor the torchtitan flavor.
 #
-#   OUT=$OUT bash benchmarks/documents_gpu.sh            (device call with carry [".peer"])
+#   OUT=$OUT bash benchmarks/documents.sh            (the torchtitan kit in .peer/: ../shared/torchtitan-peer/README.md)
 #
 # Data: the torchtitan kit's c4_test (the Python standard library's sources, one document a
 # JSON line) in the kit's tokenizer, as a Megatron dataset (built here if .peer/c4_idx lacks it);
@@ -15,8 +18,6 @@
 #   GPU 3  torchtitan flex + block_causal (flavor meshtron_llama1b_flex)
 # Stage B, four GPUs: llama-617M at 64K, cp=4 Ulysses (a2a), causal then --document-mask, over
 # every 64K sample of the data (48), then 2 steps profiled.
-# (The first call of 2026-11-26's third session ran this file at commit 6188e83: also the
-# varlen experiment, the 617M on one GPU and cp=4 over 12 steps.)
 # Stage C, four one-GPU jobs side by side: meshtron llama-1B masked with torch's default flex tiles
 # (GPU 0), with the shipped ones (GPU 1), causal (GPU 2), torchtitan flex (GPU 3), ROUNDS rounds.
 # Env: PARTS="A B" (stages to run: A, B, C)  ROUNDS=3  TT_STEPS=5+5*ROUNDS  CP_FLAGS= (stage B)
@@ -155,6 +156,6 @@ for name in ("causal", "flex"):
     print(f"torchtitan {name}: tps windows {tps}, median of the last {n} {statistics.median(tps[-n:]) if n else None}, "
           f"memory {[m.group(1) for m in mem if m]}")
 PYEOF
-# at most 8 files come back from a device call: the logs and profiles in one archive
+# the logs and profiles in one archive beside documents.jsonl
 (cd "$OUT" && tar czf logs.tgz --exclude=log --exclude=logs.tgz --exclude=documents.jsonl -- * \
   && find . -mindepth 1 -maxdepth 1 ! -name log ! -name logs.tgz ! -name documents.jsonl -exec rm -rf {} +)
