@@ -81,7 +81,13 @@ def _link(axis: str, degrees: dict[str, int], gpus_per_node: int, hw: Hardware) 
     are adjacent, so a group spans stride * size consecutive ranks."""
     inner = AXES[AXES.index(axis) + 1:]
     span = math.prod(degrees[a] for a in inner) * degrees[axis]
-    return hw.intra if span <= gpus_per_node else hw.inter
+    if span > gpus_per_node:
+        return hw.inter
+    if hw.intra_bus:   # the bus bandwidth measured for the nearest group size at or below this one
+        sizes = sorted(hw.intra_bus)
+        bw = next((b for n, b in reversed(sizes) if n <= degrees[axis]), sizes[0][1])
+        return hw.intra[0], bw
+    return hw.intra
 
 
 def collective_s(kind: str, nbytes: float, n: int, link: tuple[float, float]) -> float:
@@ -112,21 +118,25 @@ def _group(label: str, degrees: tuple[int, ...], hsdp: int, gpus_per_node: int, 
 
 
 def comm_s(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: int, seq_len: int, hw: Hardware,
-           gpus_per_node: int, rank: int = 0) -> tuple[float, float, float, float, float]:
+           gpus_per_node: int, rank: int = 0) -> tuple[float, float, float, float, float, int]:
     """Seconds `rank` spends in one step's collectives (comm_model.step_collectives,
     each by the alpha-beta model on its group's link): (tp, ep all-to-all, cp ring,
-    pp, the data-parallel rest)."""
+    pp, the data-parallel rest), and how many calls it issues (receives excepted)."""
     calls, nbytes = step_collectives(spec, cfg, par, micro_batch, microbatches, seq_len, rank, by_part=True)
     degrees = tuple(par.degrees().values())
     out = dict.fromkeys(("tp", "ep", "cp", "pp", "dp"), 0.0)
+    issued = 0
     for (part, kind, label), n_calls in calls.items():
         if kind == "recv":   # the mirror of a send: the link carries both at once
             continue
+        issued += n_calls
         n, link = _group(label, degrees, par.hsdp, gpus_per_node, hw)
         full = nbytes[(part, kind, label)] * (n if kind == "all_gather" else 1)    # the whole tensor
+        if par.fp8 == "tensorwise" and part == "dp" and kind == "all_gather":
+            full /= 2   # FSDP gathers the converted linears (nearly all the bytes) in fp8
         out[part] += n_calls * collective_s("p2p" if kind == "send" else kind, full / n_calls,
                                             2 if kind == "send" else n, link)
-    return out["tp"], out["ep"], out["cp"], out["pp"], out["dp"]
+    return out["tp"], out["ep"], out["cp"], out["pp"], out["dp"], issued
 
 
 def _layer_elements(cfg, t: int, sp: bool) -> float:
@@ -192,13 +202,68 @@ def compute_s(cfg, par: ParallelConfig, tokens: int, seq_len: int, hw: Hardware,
             + (elementwise + optimizer) / hw.hbm_bandwidth)
 
 
-def predict(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: int, seq_len: int, hw: Hardware,
-            gpus_per_node: int, memo: dict | None = None) -> Prediction:
-    """Memory and step time of one layout; `memo` shares the state bytes between
-    layouts that differ only in micro-batching or recompute."""
+@dataclass(frozen=True)
+class StepTerms:
+    """A layout's step, before the machine's multi-GPU terms (Hardware's fitted fields)
+    combine it (step_time): what `calibrate --fit` fits those terms on."""
+    compute: float           # calibrated matmul, attention and memory-bound seconds (one GPU's calibration)
+    fp8_cast: float          # FP8's casts at the HBM bandwidth (before fp8_cast_bytes scales them)
+    tp: float                # alpha-beta seconds of each part's collectives
+    ep: float
+    cp: float                # what of the ring the attention does not hide
+    pp: float
+    fsdp: float
+    calls: int               # collective calls this rank issues a step
+    host_eager: float        # eager host seconds (per micro-batch and layer, calibrated on one GPU)
+    microbatches: int
+    layers: int
+    bubble: float            # the schedule's formula
+    compiled: bool
+    tp_split: bool
+
+
+def step_time(t: StepTerms, hw: Hardware) -> tuple[float, float]:
+    """(step seconds, exposed communication seconds): each micro-batch takes the longer of its
+    GPU work (compute, then the tp, ep and cp collectives, which wait for their inputs) and the
+    host's (launches and dispatch per micro-batch and per collective call; ranks out of step wait
+    inside the next collective); the pipeline idles its bubble share of that; FSDP's gathers and
+    reductions run behind the compute except one unit's and what the compute cannot cover."""
+    compute = t.compute * (hw.compute_scale_compiled if t.compiled else 1.0) * \
+        (1 + hw.tp_compute_overhead * t.tp_split) + t.fp8_cast * hw.fp8_cast_bytes
+    exposed = (t.tp + t.ep + t.cp) * hw.comm_scale
+    fsdp = t.fsdp * hw.comm_scale
+    if t.compiled:
+        host = t.microbatches * hw.host_microbatch_compiled_s + t.calls * hw.host_collective_compiled_s
+    else:
+        host = t.host_eager + t.calls * hw.host_collective_s
+    busy = max(compute + exposed, host)
+    bubble = min(t.bubble * hw.bubble_scale, 0.95)
+    fsdp_exposed = max(0.0, fsdp - compute) + fsdp / max(1, t.layers)
+    fsdp_exposed += hw.overlap_cost * (fsdp - fsdp_exposed)
+    return busy / (1 - bubble) + t.pp + fsdp_exposed, exposed + t.pp + fsdp_exposed
+
+
+def _block_linear_flops(cfg, seq_len: int) -> float:
+    """Per token, forward and backward: the blocks' matmul FLOPs (what FP8 converts): all but
+    the attention's scores and the output head, which stays in the compute dtype."""
+    return cfg.flops_per_token(seq_len) - 12 * cfg.n_layers * cfg.dim * seq_len - 6 * cfg.dim * cfg.vocab_size
+
+
+def _fp8_cast_elements(cfg, tp: int) -> float:
+    """Per token and layer on a tp rank: the elements FP8 casts, each linear's input forward
+    and its output's gradient backward (attention's q, k, v, o and the MLP's three)."""
+    h = cfg.dim
+    kv = getattr(cfg, "n_kv_heads", cfg.n_heads) * (h // cfg.n_heads)
+    ffn = getattr(cfg, "ffn_dim", None) or cfg.ffn_mult * h
+    return (3 * h + ffn + 3 * h + 2 * kv + 2 * ffn) / tp
+
+
+def memory_bytes(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: int, seq_len: int,
+                 memo: dict | None = None) -> tuple[float, float, float, float]:
+    """(total, state, activations, gathered) bytes on the fullest rank."""
     d = par.degrees()
-    n = math.prod(d.values())
-    key = tuple(getattr(par, f.name) for f in dataclasses.fields(par) if f.name not in ("recompute", "microbatches"))
+    key = tuple(getattr(par, f.name) for f in dataclasses.fields(par)
+                if f.name not in ("recompute", "microbatches", "compile"))
     memo = {} if memo is None else memo
     if key not in memo:   # micro-batching and recompute leave the state as it is
         memo[key] = fullest_state(spec, cfg, par)
@@ -208,28 +273,53 @@ def predict(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: int,
     acts = activation_bytes(cfg, par, micro_batch, seq_len, layers) * in_flight
     params_stage = cfg.num_params() / d["pp"] / d["tp"]
     gathered = 2 * params_stage * (1 if par.zero in (0, 1, 2) else 2 / max(1, layers))  # bf16 unsharded copies
-    memory = state + acts + gathered
+    if par.fp8 == "tensorwise" and math.prod(d[a] for a in ("dp", "cp", "ep")) > 1:
+        gathered *= 0.5 + 0.5 * _block_linear_flops(cfg, 0) / cfg.flops_per_token(0)   # the linears gather fp8
+    if microbatches > 1 and (par.zero < 2 or d["pp"] > 1) and par.dtype != "fp32":
+        # unsynced micro-batches accumulate the whole gradient in fp32, beside the sharded one state counts
+        gathered += 4 * params_stage
+    return state + acts + gathered, state, acts, gathered
 
+
+def step_terms(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: int, seq_len: int, hw: Hardware,
+               gpus_per_node: int) -> StepTerms:
+    d = par.degrees()
+    layers = math.ceil(cfg.n_layers / d["pp"])
     tokens = micro_batch * microbatches * seq_len          # per data-parallel rank and step
     compute = compute_s(cfg, par, tokens, seq_len, hw, layers, gemm_tokens=micro_batch * seq_len / d["cp"])
-    if not par.compile:   # each micro-batch takes the longer of its GPU work and its eager host time
-        host = microbatches * (hw.host_microbatch_s + layers * hw.host_layer(par.recompute))
-        compute = max(compute, host)
-    comm = max((comm_s(spec, cfg, par, micro_batch, microbatches, seq_len, hw, gpus_per_node, rank)
-                for rank in _pp_ranks(d)), key=sum)
-    tp_comm, ep_comm, cp_ring, pp_comm, fsdp = comm
-    fsdp_exposed = max(0.0, fsdp - compute) + fsdp / max(1, layers)
+    fp8_cast = 0.0
+    if par.fp8 != "none":
+        linear = _block_linear_flops(cfg, seq_len) * tokens / (d["cp"] * d["tp"] * d["pp"])
+        compute -= linear / (hw.peak_flops * hw.matmul_at(micro_batch * seq_len / d["cp"])) * \
+            (1 - 1 / hw.fp8_speedup(par.fp8))
+        fp8_cast = tokens / d["cp"] * layers * _fp8_cast_elements(cfg, d["tp"]) / hw.hbm_bandwidth
+    host_eager = microbatches * (hw.host_microbatch_s + layers * hw.host_layer(par.recompute))
+    worst = None
+    for rank in _pp_ranks(d):
+        comm = comm_s(spec, cfg, par, micro_batch, microbatches, seq_len, hw, gpus_per_node, rank)
+        if worst is None or sum(comm[:5]) > sum(worst[:5]):
+            worst = comm
+    tp_comm, ep_comm, cp_ring, pp_comm, fsdp, calls = worst
     cp_comm = cp_ring   # the all-gather and all-to-all variants wait for their collectives
     if d["cp"] > 1 and par.cp_comm == "p2p":   # the ring's transfers run behind the attention of the block before
         attention = 6 * micro_batch * seq_len ** 2 / d["cp"] * cfg.dim / d["tp"] / (   # causal, as compute_s
             hw.peak_flops * hw.attention_at(cfg.dim // cfg.n_heads, seq_len / d["cp"]))
         cp_comm = max(0.0, cp_ring - attention * layers * microbatches)
-    busy = compute + tp_comm + ep_comm + cp_comm
     bubble = bubble_fraction(par.pp_schedule, d["pp"], microbatches, par.pp_virtual) if d["pp"] > 1 else 0.0
-    step = busy / (1 - bubble) + pp_comm + fsdp_exposed
-    model_flops = cfg.flops_per_token(seq_len) * tokens * d["dp"] * d["ep"]
+    return StepTerms(compute, fp8_cast, tp_comm, ep_comm, cp_comm, pp_comm, fsdp, calls, host_eager, microbatches,
+                     layers, bubble, par.compile, d["tp"] > 1)
+
+
+def predict(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: int, seq_len: int, hw: Hardware,
+            gpus_per_node: int, memo: dict | None = None) -> Prediction:
+    """Memory and step time of one layout; `memo` shares the state bytes between
+    layouts that differ only in micro-batching, recompute or compiling."""
+    d = par.degrees()
+    memory, state, acts, gathered = memory_bytes(spec, cfg, par, micro_batch, microbatches, seq_len, memo)
+    step, exposed = step_time(step_terms(spec, cfg, par, micro_batch, microbatches, seq_len, hw, gpus_per_node), hw)
+    model_flops = cfg.flops_per_token(seq_len) * micro_batch * microbatches * seq_len * d["dp"] * d["ep"]
     return Prediction(par, micro_batch, microbatches, memory, state, acts, gathered, step,
-                      model_flops / (step * n * hw.peak_flops), tp_comm + ep_comm + cp_comm + pp_comm + fsdp_exposed)
+                      model_flops / (step * math.prod(d.values()) * hw.peak_flops), exposed)
 
 
 # ---- enumeration ------------------------------------------------------------------------

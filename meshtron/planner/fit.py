@@ -1,0 +1,95 @@
+"""The machine's multi-GPU terms (Hardware's compute_scale_compiled, tp_compute_overhead,
+comm_scale, host_collective_s, host_collective_compiled_s, host_microbatch_compiled_s,
+bubble_scale, overlap_cost), fitted to measured steps of whole layouts: what one GPU's calibration
+cannot see (collectives inside a step, ranks out of step, the host of several ranks).
+
+    python -m meshtron.plan calibrate --fit meshtron/planner/calibration/h100_measured.jsonl --gpu h100 --out h100.json
+
+A measured row is a JSON line: `flags` (the recipe's), `world`, `step_ms`, optionally
+`peak_mem_gib`, `source` (date, machine, command) and `excluded` (why the model cannot
+predict it; not fitted). The fit minimizes the mean squared log error of the step times
+over the rows, one term at a time on a grid, a few rounds over them all: eight terms for
+all the layouts, none per layout.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+
+from meshtron import Config, models
+from meshtron.distributed.mesh import resolve_degrees
+from meshtron.planner import plan
+from meshtron.planner.hardware import Hardware, calibration_path
+
+# (term, lowest, highest): the range a physical value can take
+TERMS = (("compute_scale_compiled", 0.7, 1.6), ("tp_compute_overhead", 0.0, 0.8), ("comm_scale", 0.3, 4.0),
+         ("host_collective_s", 0.0, 5e-3), ("host_collective_compiled_s", 0.0, 5e-3),
+         ("host_microbatch_compiled_s", 0.0, 0.05), ("bubble_scale", 0.3, 4.0), ("overlap_cost", 0.0, 1.0))
+
+
+def read_rows(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def layout_of_row(row: dict):
+    """(spec, model config, ParallelConfig with explicit degrees, micro-batch, micro-batches, seq_len) of a row."""
+    config = Config.from_args(["--dtype", "bf16", *row["flags"].split()], models=models.PRESETS)
+    spec, preset = models.get(config.model.model)
+    cfg = spec.configure(preset, config.model)
+    degrees = resolve_degrees(row["world"], **config.parallel.degrees())
+    from meshtron.train.layout import batch_layout
+    microbatches, _ = batch_layout(config.parallel, config.training, degrees)
+    par = dataclasses.replace(config.parallel, **degrees, microbatches=microbatches)
+    return spec, cfg, par, config.training.micro_batch, microbatches, config.training.seq_len
+
+
+def predict_row(row: dict, hw: Hardware, gpus_per_node: int = 8) -> plan.Prediction:
+    spec, cfg, par, mb, m, seq = layout_of_row(row)
+    return plan.predict(spec, cfg, par, mb, m, seq, hw, gpus_per_node)
+
+
+def _loss(terms: list[plan.StepTerms], measured: list[float], hw: Hardware) -> float:
+    return sum(math.log(plan.step_time(t, hw)[0] / s) ** 2 for t, s in zip(terms, measured)) / len(terms)
+
+
+def fit(rows: list[dict], hw: Hardware, rounds: int = 6, points: int = 41) -> Hardware:
+    """`hw` with TERMS fitted to the rows' step times (their one-GPU terms are `hw`'s)."""
+    rows = [r for r in rows if not r.get("excluded")]
+    if not rows:
+        raise ValueError("no measured rows to fit the machine's terms on")
+    terms = []
+    for row in rows:
+        spec, cfg, par, mb, m, seq = layout_of_row(row)
+        terms.append(plan.step_terms(spec, cfg, par, mb, m, seq, hw, 8))
+    measured = [r["step_ms"] / 1e3 for r in rows]
+    lo_hi = {name: (lo, hi) for name, lo, hi in TERMS}
+    for r in range(rounds):
+        for name, lo, hi in TERMS:
+            if r:   # later rounds search closer around the value found
+                width = (hi - lo) / 4 ** r
+                value = getattr(hw, name)
+                lo, hi = max(lo_hi[name][0], value - width), min(lo_hi[name][1], value + width)
+            grid = [lo + (hi - lo) * i / (points - 1) for i in range(points)]
+            best = min(grid, key=lambda v: _loss(terms, measured, dataclasses.replace(hw, **{name: v})))
+            hw = dataclasses.replace(hw, **{name: best})
+    return hw
+
+
+def fitted_file(rows_path: str, gpu: str) -> dict:
+    """The calibration file `gpu` with its multi-GPU terms fitted to the rows at `rows_path`."""
+    path = calibration_path(gpu)
+    with open(path) as f:
+        out = json.load(f)
+    rows = read_rows(rows_path)
+    hw = fit(rows, plan.hardware(path))
+    out |= {name: getattr(hw, name) for name, _, _ in TERMS}
+    used = [r for r in rows if not r.get("excluded")]
+    machines = sorted({f"{r['world']} GPUs" for r in used})
+    out["fit_source"] = (f"`python -m meshtron.plan calibrate --fit {os.path.basename(rows_path)} --gpu {gpu}` on "
+                         f"{time.strftime('%Y-%m-%d')}: {len(used)} measured steps on {', '.join(machines)} of one host "
+                         f"(each row of {os.path.basename(rows_path)} names its date, machine and command)")
+    return out
