@@ -221,7 +221,7 @@ def calibrate(model: str, tokens: int, seq_len: int, device: torch.device, quick
     return out
 
 
-FITTED = ("compute_scale_compiled", "tp_compute_overhead", "comm_scale", "host_collective_s",
+FITTED = ("compute_scale_compiled", "compute_scale_eager", "tp_compute_overhead", "comm_scale", "host_collective_s",
           "host_collective_compiled_s", "host_microbatch_compiled_s", "bubble_scale", "overlap_cost")
 
 

@@ -1,4 +1,4 @@
-"""The machine's multi-GPU terms (Hardware's compute_scale_compiled, tp_compute_overhead,
+"""The machine's multi-GPU terms (Hardware's compute_scale_compiled, compute_scale_eager, tp_compute_overhead,
 comm_scale, host_collective_s, host_collective_compiled_s, host_microbatch_compiled_s,
 bubble_scale, overlap_cost), fitted to measured steps of whole layouts: what one GPU's calibration
 cannot see (collectives inside a step, ranks out of step, the host of several ranks).
@@ -8,7 +8,7 @@ cannot see (collectives inside a step, ranks out of step, the host of several ra
 A measured row is a JSON line: `flags` (the recipe's), `world`, `step_ms`, optionally
 `peak_mem_gib`, `source` (date, machine, command) and `excluded` (why the model cannot
 predict it; not fitted). The fit minimizes the mean squared log error of the step times
-over the rows, one term at a time on a grid, a few rounds over them all: eight terms for
+over the rows, one term at a time on a grid, a few rounds over them all: nine terms for
 all the layouts, none per layout.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from meshtron.planner import plan
 from meshtron.planner.hardware import Hardware, calibration_path
 
 # (term, lowest, highest): the range a physical value can take
-TERMS = (("compute_scale_compiled", 0.7, 1.6), ("tp_compute_overhead", 0.0, 0.8), ("comm_scale", 0.3, 4.0),
+TERMS = (("compute_scale_compiled", 0.7, 1.6), ("compute_scale_eager", 0.7, 1.6), ("tp_compute_overhead", 0.0, 0.8), ("comm_scale", 0.3, 4.0),
          ("host_collective_s", 0.0, 5e-3), ("host_collective_compiled_s", 0.0, 5e-3),
          ("host_microbatch_compiled_s", 0.0, 0.05), ("bubble_scale", 0.3, 4.0), ("overlap_cost", 0.0, 1.0))
 

@@ -38,9 +38,10 @@ class Hardware:
     # heads fill the GPU less; attention_efficiency stands in without one
     attention_curve: tuple[tuple[int, int, float], ...] = ()
     # ---- what a training step on several GPUs adds (fitted from measured steps: `calibrate --fit`)
-    # compiled blocks' GPU time over the calibrated matmul, attention and memory-bound time (the
+    # compiled and eager blocks' GPU time over the calibrated matmul, attention and memory-bound time (the
     # real step also casts, normalizes and runs the optimizer's kernels)
     compute_scale_compiled: float = 1.0
+    compute_scale_eager: float = 1.0
     # extra GPU time under tp > 1 over the same FLOPs unsplit: SP's norms on shards, the
     # gathered activations' copies and casts, smaller GEMMs
     tp_compute_overhead: float = 0.0

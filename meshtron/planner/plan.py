@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ from meshtron.distributed.fused_loss import default_chunk
 from meshtron.distributed.mesh import AXES
 from meshtron.distributed.pipeline_parallel import bubble_fraction, check_pipeline
 from meshtron.planner.comm_model import group_size, step_collectives
-from meshtron.planner.hardware import GPUS, Hardware, hardware
+from meshtron.planner.hardware import GPUS, Hardware, calibration_path, hardware
 from meshtron.planner.state import coordinate, fullest_state, state_bytes
 
 GiB = 2 ** 30
@@ -73,6 +74,10 @@ class Prediction:
             out.append(f"--recompute {p.recompute}")
         if p.hsdp > 1:
             out.append(f"--hsdp {p.hsdp}")
+        if p.compile:
+            out.append("--compile")
+        if p.fp8 != "none":
+            out.append(f"--fp8 {p.fp8}")
         return " ".join(out)
 
 
@@ -195,6 +200,8 @@ def compute_s(cfg, par: ParallelConfig, tokens: int, seq_len: int, hw: Hardware,
     if par.recompute == "full":
         matmul, attention = matmul * 4 / 3, attention * 4 / 3
     elementwise = 3 * 2 * tokens / d["cp"] * _layer_elements(cfg, d["tp"], par.sp) * layers
+    if par.recompute == "selective":   # the memory-bound ops run again, reading what the matmuls saved
+        elementwise *= 4 / 3
     optimizer = 28 * cfg.num_params() / math.prod(d.values())
     efficiency = hw.matmul_at(tokens / d["cp"] if gemm_tokens is None else gemm_tokens)
     attention_eff = hw.attention_at(cfg.dim // cfg.n_heads, seq_len / d["cp"])   # cp: blocks of S/cp keys
@@ -228,7 +235,7 @@ def step_time(t: StepTerms, hw: Hardware) -> tuple[float, float]:
     host's (launches and dispatch per micro-batch and per collective call; ranks out of step wait
     inside the next collective); the pipeline idles its bubble share of that; FSDP's gathers and
     reductions run behind the compute except one unit's and what the compute cannot cover."""
-    compute = t.compute * (hw.compute_scale_compiled if t.compiled else 1.0) * \
+    compute = t.compute * (hw.compute_scale_compiled if t.compiled else hw.compute_scale_eager) * \
         (1 + hw.tp_compute_overhead * t.tp_split) + t.fp8_cast * hw.fp8_cast_bytes
     exposed = (t.tp + t.ep + t.cp) * hw.comm_scale
     fsdp = t.fsdp * hw.comm_scale
@@ -328,7 +335,11 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def layouts(spec, cfg, gpus: int, seq_len: int, global_batch: int, gpus_per_node: int, dtype: str = "bf16"):
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+
+
+def layouts(spec, cfg, gpus: int, seq_len: int, global_batch: int, gpus_per_node: int, dtype: str = "bf16",
+            compile: bool = False, fp8: str = "none"):
     """Every (ParallelConfig, micro-batch, micro-batches) the trainer accepts for this job."""
     moe = getattr(cfg, "moe", None)
     for tp, pp, cp, ep in itertools.product(_divisors(gpus), repeat=4):
@@ -339,7 +350,7 @@ def layouts(spec, cfg, gpus: int, seq_len: int, global_batch: int, gpus_per_node
         if global_batch % batch_ranks:
             continue
         for zero, mb, recompute, (schedule, virtual) in itertools.product(
-                (0, 1, 2, 3), (1, 2, 4, 8), ("none", "selective", "full"),
+                (0, 1, 2, 3), MICRO_BATCHES, ("none", "selective", "full"),
                 [("1f1b", 1), ("interleaved-1f1b", 2)] if pp > 1 else [("1f1b", 1)]):
             if global_batch % (batch_ranks * mb) or (dp * cp * ep == 1 and zero != 1):
                 continue   # with nothing to shard over, the trainer runs zero 1
@@ -347,7 +358,8 @@ def layouts(spec, cfg, gpus: int, seq_len: int, global_batch: int, gpus_per_node
                 continue
             m = global_batch // (batch_ranks * mb)
             par = ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, sp=tp > 1, zero=zero, recompute=recompute,
-                                 pp_schedule=schedule, pp_virtual=virtual, dtype=dtype, microbatches=m)
+                                 pp_schedule=schedule, pp_virtual=virtual, dtype=dtype, microbatches=m,
+                                 compile=compile, fp8=fp8)
             try:
                 spec.check_layout(cfg, par.degrees(), par, seq_len)
                 if pp > 1:
@@ -358,25 +370,40 @@ def layouts(spec, cfg, gpus: int, seq_len: int, global_batch: int, gpus_per_node
 
 
 def plan(model: str, seq_len: int, global_batch: int, gpus: int, gpus_per_node: int = 8,
-         gpu: str = "h200") -> tuple[list[Prediction], list[Prediction]]:
-    """(layouts that fit, fastest first; those that do not, smallest first)."""
-    spec, cfg = models.get(model)
+         gpu: str = "h200", compile: bool = False, fp8: str = "none",
+         cfg=None) -> tuple[list[Prediction], list[Prediction]]:
+    """(layouts that fit, fastest first; those that do not, smallest first); `cfg`: the
+    model's config where it differs from the preset's (--untie-embeddings...)."""
+    spec, preset = models.get(model)
+    cfg = preset if cfg is None else cfg
     hw = hardware(gpu)
     memo = {}
     preds = [predict(spec, cfg, par, mb, m, seq_len, hw, gpus_per_node, memo)
-             for par, mb, m in layouts(spec, cfg, gpus, seq_len, global_batch, gpus_per_node)]
+             for par, mb, m in layouts(spec, cfg, gpus, seq_len, global_batch, gpus_per_node, compile=compile,
+                                       fp8=fp8)]
     fit = sorted((p for p in preds if p.memory <= hw.memory_bytes), key=lambda p: (p.step_s, p.memory))
     over = sorted((p for p in preds if p.memory > hw.memory_bytes), key=lambda p: p.memory)
     return fit, over
 
 
-COLUMNS = """columns: step ms and MFU, predicted (bf16, the GPU's calibration); GiB on the fullest rank =
+COLUMNS = """columns: step ms and MFU, predicted (bf16, or FP8 with --fp8; the GPU's calibration); GiB on the fullest rank =
 state (fp32 weights, gradients and AdamW moments as sharded) + bf16 (the unsharded bf16 weights computed with:
 a stage's all under ZeRO 0-2, about one block's under ZeRO 3) + acts (activations in flight). Layouts that
 predict the same in every column and differ only in --zero are one row, the lowest --zero, with the others named.
 
 calibration: `python -m meshtron.plan calibrate --out FILE.json` measures this GPU (matmul efficiency, host
-time, links) and writes a file that --gpu reads (docs/planner.md)."""
+time, links) and writes a file that --gpu reads; `calibrate --fit ROWS.jsonl` fits the terms one GPU cannot
+measure to measured steps of whole layouts (docs/planner.md).
+
+what the step model includes: the calibrated matmuls, attention and memory-bound kernels, scaled to what
+compiled and eager blocks measure in a step; TP's extra kernels; each collective by the alpha-beta model at
+the measured bus bandwidth of its group size, scaled to what collectives take inside a step (TP, EP and CP
+exposed; FSDP hidden but for one unit's, what the compute cannot cover and a share that slows the compute
+beside it); the host's time per micro-batch and per collective call (a small micro-batch waits for it: ranks
+out of step wait inside collectives); the pipeline's bubble, scaled to the measured; FP8's faster GEMMs, its
+casts and its fp8 all-gathers. Not included: MoE routing, permutations and grouped GEMMs (MoE steps measured
+1.4-1.7x the prediction); async TP's overlap; the interleaved and zero-bubble schedules' measured stalls at
+pp4; the inter-node link (nominal). Error on the measured H100 layouts: docs/planner.md."""
 
 
 def _collapse_ties(fit: list[Prediction]) -> list[tuple[Prediction, list[int]]]:
@@ -391,6 +418,13 @@ def _collapse_ties(fit: list[Prediction]) -> list[tuple[Prediction, list[int]]]:
                 continue
         rows.append((pr, []))
     return rows
+
+
+def calibration_line(gpu: str) -> str:
+    """Which calibration a prediction used, in one line."""
+    hw = hardware(gpu)
+    fitted = hw.fit_source or "multi-GPU terms not fitted (one GPU's calibration alone: optimistic on several GPUs)"
+    return f"{os.path.relpath(calibration_path(gpu))}: {hw.name}; {fitted}"
 
 
 def launch_command(gpus: int, gpus_per_node: int) -> str:
@@ -413,6 +447,9 @@ def parser() -> argparse.ArgumentParser:
                    "(default %(default)s)")
     p.add_argument("--gpu", default="h200", help="h200, h100 or a calibration JSON file (default %(default)s)")
     p.add_argument("--top", type=int, default=15, help="rows to print, fastest first (default %(default)s)")
+    p.add_argument("--compile", action="store_true", help="plan compiled blocks (and print --compile)")
+    p.add_argument("--fp8", default="none", choices=("none", "tensorwise", "rowwise"),
+                   help="plan FP8 matmuls (and print --fp8; default %(default)s)")
     return p
 
 
@@ -423,11 +460,15 @@ def main(argv=None) -> None:
         return calibrate(argv[1:])
     a = parser().parse_args(argv)
     t0 = time.perf_counter()
-    fit, over = plan(a.model, a.seq_len, a.global_batch, a.gpus, a.gpus_per_node, a.gpu)
+    try:
+        fit, over = plan(a.model, a.seq_len, a.global_batch, a.gpus, a.gpus_per_node, a.gpu, a.compile, a.fp8)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     rows = _collapse_ties(fit)
     print(f"{a.model}, sequence {a.seq_len}, global batch {a.global_batch}, {a.gpus} x {a.gpu} "
           f"({a.gpus_per_node} per node): {len(fit)} layouts fit, {len(over)} do not "
           f"(planned in {time.perf_counter() - t0:.2f} s)")
+    print(f"calibration: {calibration_line(a.gpu)}")
     print(f"{'#':>3} {'step ms':>8} {'MFU':>6} {'GiB':>7} {'state':>7} {'bf16':>7} {'acts':>7}  command")
     launch = launch_command(a.gpus, a.gpus_per_node)
     for i, (pr, same) in enumerate(rows[:a.top], 1):
