@@ -29,6 +29,8 @@ TERMS = (("compute_scale_compiled", 0.7, 1.6), ("compute_scale_eager", 0.7, 1.6)
          ("host_collective_s", 0.0, 5e-3), ("host_collective_compiled_s", 0.0, 5e-3),
          ("host_microbatch_compiled_s", 0.0, 0.05), ("bubble_scale", 0.3, 4.0), ("overlap_cost", 0.0, 1.0))
 
+NEUTRAL = {"compute_scale_compiled": 1.0, "compute_scale_eager": 1.0, "comm_scale": 1.0, "bubble_scale": 1.0}
+
 
 def read_rows(path: str) -> list[dict]:
     with open(path) as f:
@@ -66,6 +68,8 @@ def fit(rows: list[dict], hw: Hardware, rounds: int = 6, points: int = 41) -> Ha
         spec, cfg, par, mb, m, seq = layout_of_row(row)
         terms.append(plan.step_terms(spec, cfg, par, mb, m, seq, hw, 8))
     measured = [r["step_ms"] / 1e3 for r in rows]
+    # from neutral values, so the fit depends on the rows alone, not on the file it starts from
+    hw = dataclasses.replace(hw, **{name: NEUTRAL.get(name, 0.0) for name, _, _ in TERMS})
     lo_hi = {name: (lo, hi) for name, lo, hi in TERMS}
     for r in range(rounds):
         for name, lo, hi in TERMS:
