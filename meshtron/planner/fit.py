@@ -92,8 +92,7 @@ def fitted_file(rows_path: str, gpu: str) -> dict:
     hw = fit(rows, plan.hardware(path))
     out |= {name: getattr(hw, name) for name, _, _ in TERMS}
     used = [r for r in rows if not r.get("excluded")]
-    machines = sorted({f"{r['world']} GPUs" for r in used})
-    out["fit_source"] = (f"`python -m meshtron.plan calibrate --fit {os.path.basename(rows_path)} --gpu {gpu}` on "
-                         f"{time.strftime('%Y-%m-%d')}: {len(used)} measured steps on {', '.join(machines)} of one host "
-                         f"(each row of {os.path.basename(rows_path)} names its date, machine and command)")
+    worlds = " and ".join(sorted({str(r["world"]) for r in used}))
+    out["fit_source"] = (f"fitted by `calibrate --fit {os.path.basename(rows_path)}` on {time.strftime('%Y-%m-%d')} "
+                         f"to {len(used)} steps measured on {worlds} GPUs (sources in that file)")
     return out

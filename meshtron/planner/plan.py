@@ -371,7 +371,7 @@ def layouts(spec, cfg, gpus: int, seq_len: int, global_batch: int, gpus_per_node
 
 def plan(model: str, seq_len: int, global_batch: int, gpus: int, gpus_per_node: int = 8,
          gpu: str = "h200", compile: bool = False, fp8: str = "none",
-         cfg=None) -> tuple[list[Prediction], list[Prediction]]:
+         cfg=None, dtype: str = "bf16") -> tuple[list[Prediction], list[Prediction]]:
     """(layouts that fit, fastest first; those that do not, smallest first); `cfg`: the
     model's config where it differs from the preset's (--untie-embeddings...)."""
     spec, preset = models.get(model)
@@ -379,7 +379,7 @@ def plan(model: str, seq_len: int, global_batch: int, gpus: int, gpus_per_node: 
     hw = hardware(gpu)
     memo = {}
     preds = [predict(spec, cfg, par, mb, m, seq_len, hw, gpus_per_node, memo)
-             for par, mb, m in layouts(spec, cfg, gpus, seq_len, global_batch, gpus_per_node, compile=compile,
+             for par, mb, m in layouts(spec, cfg, gpus, seq_len, global_batch, gpus_per_node, dtype, compile=compile,
                                        fp8=fp8)]
     fit = sorted((p for p in preds if p.memory <= hw.memory_bytes), key=lambda p: (p.step_s, p.memory))
     over = sorted((p for p in preds if p.memory > hw.memory_bytes), key=lambda p: p.memory)
