@@ -1,6 +1,7 @@
 """`--layout auto` (issue 43): the recipe asks the planner for the layout, prints it with
 its prediction and trains with it; `--dry-run` prints the choice and its command; a
-finished run compares its step time with the planner's prediction."""
+finished run compares its step time with the planner's prediction (the line before
+the closing one)."""
 import os
 import re
 import subprocess
@@ -37,8 +38,9 @@ def test_four_cpu_ranks_train_with_the_chosen_mesh_and_close_with_the_planners_c
     mesh = re.search(r"\| mesh (\{.*?\})", out).group(1)
     degrees = {a: int(d) for a, d in re.findall(r"--(dp|pp|cp|tp|ep) (\d+)", flags)}
     assert all(f"'{a}': {d}" in mesh for a, d in degrees.items()), (flags, mesh)
-    assert re.search(r"^planner: measured [\d.]+ ms a step, predicted [\d.]+ ms on h100 .*\([+-]\d+%\)$",
-                     out.strip().splitlines()[-1]), out[-500:]
+    planner, closing = out.strip().splitlines()[-2:]
+    assert closing.startswith("done: 3 steps"), closing
+    assert re.search(r"^planner: measured [\d.]+ ms a step, predicted [\d.]+ ms on h100 .*\([+-]\d+%\)$", planner), planner
 
 
 def test_nothing_fits_and_a_layout_of_ones_own_are_refused_in_one_line():

@@ -306,12 +306,12 @@ class Trainer:
             for r, (ids, mem) in enumerate(per_rank):
                 host = " (host RSS)" if self.device.type == "cpu" else ""
                 self.log(f"rank {r} stages {ids}: peak mem {mem:.2f} GiB{host}")
-        self._closing_line(losses, last, time.perf_counter() - t_start)
-        if losses and dist.get_rank() == 0:
+        if losses and dist.get_rank() == 0:   # beside the closing line: each run checks the planner's cost model
             float(losses[-1])   # the device done with the last step
             done = last - self.start
             measured = (time.perf_counter() - t_first) / (done - 1) if done > 1 else None
             self.log(planned.comparison_line(c, dist.get_world_size(), self.microbatches, measured, self.device))
+        self._closing_line(losses, last, time.perf_counter() - t_start)
         self.close()
         return [float(x) for x in losses]
 
