@@ -8,7 +8,7 @@ cannot see (collectives inside a step, ranks out of step, the host of several ra
 A measured row is a JSON line: `flags` (the recipe's), `world`, `step_ms`, optionally
 `peak_mem_gib`, `source` (date, machine, command) and `excluded` (why the model cannot
 predict it; not fitted). The fit minimizes the mean squared log error of the step times
-over the rows, one term at a time on a grid, a few rounds over them all: nine terms for
+over the rows by coordinate descent from several fixed starting points: nine terms for
 all the layouts, none per layout.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ import dataclasses
 import json
 import math
 import os
+import random
 import time
 
 from meshtron import Config, models
@@ -58,8 +59,25 @@ def _loss(terms: list[plan.StepTerms], measured: list[float], hw: Hardware) -> f
     return sum(math.log(plan.step_time(t, hw)[0] / s) ** 2 for t, s in zip(terms, measured)) / len(terms)
 
 
-def fit(rows: list[dict], hw: Hardware, rounds: int = 6, points: int = 41) -> Hardware:
-    """`hw` with TERMS fitted to the rows' step times (their one-GPU terms are `hw`'s)."""
+def _descend(terms, measured, hw: Hardware, rounds: int, points: int) -> Hardware:
+    """Coordinate descent from `hw`: each term in turn on a grid over its range, then closer around it."""
+    lo_hi = {name: (lo, hi) for name, lo, hi in TERMS}
+    for r in range(rounds):
+        for name, lo, hi in TERMS:
+            if r:   # later rounds search closer around the value found
+                width = (hi - lo) / 2 ** r
+                value = getattr(hw, name)
+                lo, hi = max(lo_hi[name][0], value - width), min(lo_hi[name][1], value + width)
+            grid = [lo + (hi - lo) * i / (points - 1) for i in range(points)]
+            best = min(grid, key=lambda v: _loss(terms, measured, dataclasses.replace(hw, **{name: v})))
+            hw = dataclasses.replace(hw, **{name: best})
+    return hw
+
+
+def fit(rows: list[dict], hw: Hardware, rounds: int = 8, points: int = 21, starts: int = 24) -> Hardware:
+    """`hw` with TERMS fitted to the rows' step times (their one-GPU terms are `hw`'s): the best
+    of coordinate descents from neutral values and from `starts` fixed pseudo-random points (the
+    terms trade against each other, and one descent can stop in a worse valley)."""
     rows = [r for r in rows if not r.get("excluded")]
     if not rows:
         raise ValueError("no measured rows to fit the machine's terms on")
@@ -68,19 +86,11 @@ def fit(rows: list[dict], hw: Hardware, rounds: int = 6, points: int = 41) -> Ha
         spec, cfg, par, mb, m, seq = layout_of_row(row)
         terms.append(plan.step_terms(spec, cfg, par, mb, m, seq, hw, 8))
     measured = [r["step_ms"] / 1e3 for r in rows]
-    # from neutral values, so the fit depends on the rows alone, not on the file it starts from
-    hw = dataclasses.replace(hw, **{name: NEUTRAL.get(name, 0.0) for name, _, _ in TERMS})
-    lo_hi = {name: (lo, hi) for name, lo, hi in TERMS}
-    for r in range(rounds):
-        for name, lo, hi in TERMS:
-            if r:   # later rounds search closer around the value found
-                width = (hi - lo) / 4 ** r
-                value = getattr(hw, name)
-                lo, hi = max(lo_hi[name][0], value - width), min(lo_hi[name][1], value + width)
-            grid = [lo + (hi - lo) * i / (points - 1) for i in range(points)]
-            best = min(grid, key=lambda v: _loss(terms, measured, dataclasses.replace(hw, **{name: v})))
-            hw = dataclasses.replace(hw, **{name: best})
-    return hw
+    rng = random.Random(0)   # fixed: the same rows give the same terms
+    begin = [{name: NEUTRAL.get(name, 0.0) for name, _, _ in TERMS}]
+    begin += [{name: rng.uniform(lo, hi) for name, lo, hi in TERMS} for _ in range(starts)]
+    found = [_descend(terms, measured, dataclasses.replace(hw, **b), rounds, points) for b in begin]
+    return min(found, key=lambda h: _loss(terms, measured, h))
 
 
 def fitted_file(rows_path: str, gpu: str) -> dict:
