@@ -23,7 +23,11 @@ mesh axes, equal to what a real step issues) by the alpha-beta model on the
 link its group crosses (all-reduce 2(n-1)/n of the bytes, all-gather and
 reduce-scatter (n-1)/n, all-to-all (n-1)/n, p2p 1): TP and EP traffic exposed,
 CP's ring behind attention, FSDP's overlapped with compute except one unit's
-worth, the pipeline's bubble by its schedule's formula.
+worth, the pipeline's bubble by its schedule's formula. What a step on several
+GPUs adds (step_time) is fitted per machine to measured steps (meshtron.planner.fit):
+compile's and TP's effect on the kernels, collectives inside a step, the host per
+collective call and micro-batch (a micro-batch takes the longer of its GPU and host
+time), the bubble's scale, FSDP's overlap cost; FP8's GEMMs, casts and gathers.
 """
 from __future__ import annotations
 
