@@ -368,10 +368,14 @@ def parser(description: str | None = None, models=None) -> argparse.ArgumentPars
     p = OneLineParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None, help="a TOML file with the sections below; flags override it")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as such a file and exit")
-    p.add_argument("--dry-run", type=int, default=None, metavar="N",
+    p.add_argument("--dry-run", type=int, default=None, metavar="N", nargs="?", const=0,
                    help="build the layout as each rank of a world of N on this one process (fake process group, "
-                        "meta tensors), print each rank's parameter, gradient and optimizer bytes and exit "
-                        "(default: off)")
+                        "meta tensors), print each rank's parameter, gradient and optimizer bytes and exit; with "
+                        "--layout auto, print the chosen layout and its command for N ranks (default N: the "
+                        "launcher's world size) and exit (default: off)")
+    p.add_argument("--layout", default=None, choices=("auto",),
+                   help="auto: train with the planner's fastest layout that fits this world size, model, "
+                        "--seq-len and --global-batch (it sets --dp ... --micro-batch; docs/planner.md)")
     p.add_argument("--dry-run-ranks", default=None, metavar="R,R,...",
                    help="only these ranks of the dry run (default: all)")
     for section, cls in SECTIONS.items():

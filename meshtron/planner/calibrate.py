@@ -25,6 +25,12 @@
 What a run cannot measure (the inter-node link on one node; the intra-node link
 on one GPU) keeps the built-in figure, and the file's "measured" lists what was.
 The file is what `python -m meshtron.plan --gpu FILE` reads.
+
+    python -m meshtron.plan calibrate --fit ROWS.jsonl --gpu h100 --out h100.json   # no GPU needed
+
+then fits the terms one GPU cannot measure (collectives inside a step, the host per
+collective and micro-batch, compile's effect, the bubble) to measured steps of whole
+layouts (meshtron.planner.fit), keeping the rest of the `--gpu` file.
 """
 from __future__ import annotations
 
@@ -215,6 +221,10 @@ def calibrate(model: str, tokens: int, seq_len: int, device: torch.device, quick
     return out
 
 
+FITTED = ("compute_scale_compiled", "compute_scale_eager", "tp_compute_overhead", "comm_scale", "host_collective_s",
+          "host_collective_compiled_s", "host_microbatch_compiled_s", "bubble_scale", "overlap_cost")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m meshtron.plan calibrate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-8B", choices=tuple(models.PRESETS), help="whose GEMM shapes to time")
@@ -222,7 +232,17 @@ def main(argv=None) -> None:
     p.add_argument("--seq-len", type=int, default=2048, help="the attention's sequence length")
     p.add_argument("--out", required=True, help="the JSON file to write (rank 0)")
     p.add_argument("--quick", action="store_true", help="small sizes and few repeats (tests)")
+    p.add_argument("--fit", metavar="ROWS.jsonl", help="fit the multi-GPU terms to these measured steps instead of "
+                   "measuring (meshtron.planner.fit; no GPU needed)")
+    p.add_argument("--gpu", default="h100", help="with --fit: the calibration whose one-GPU figures it keeps")
     a = p.parse_args(argv)
+    if a.fit:
+        from meshtron.planner.fit import fitted_file
+        result = fitted_file(a.fit, a.gpu)
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"fitted to {a.fit}: " + ", ".join(f"{k} {result[k]:.4g}" for k in FITTED))
+        return
     if "RANK" in os.environ:   # the trainer's rendezvous: under torchrun, or a world of one with no port
         from meshtron.train.lifetime import init_process_group
         init_process_group(600)

@@ -2,7 +2,8 @@
 links, read from calibration files that `python -m meshtron.plan calibrate`
 (meshtron.planner.calibrate) writes. The shipped ones were measured on one GPU of each
 kind (benchmarks/RESULTS.md, "Planner accuracy"); their "measured" key lists what was, the rest
-(links, for now) are nominal NVLink / InfiniBand figures."""
+(links, for now) are nominal NVLink / InfiniBand figures. The H100's multi-GPU terms were
+fitted to measured steps (`calibrate --fit`: its "fit_source"); the H200's are not yet."""
 from __future__ import annotations
 
 import dataclasses
@@ -37,6 +38,40 @@ class Hardware:
     # (head dim, sequence length, attention efficiency): short sequences and small
     # heads fill the GPU less; attention_efficiency stands in without one
     attention_curve: tuple[tuple[int, int, float], ...] = ()
+    # ---- what a training step on several GPUs adds (fitted from measured steps: `calibrate --fit`)
+    # compiled and eager blocks' GPU time over the calibrated matmul, attention and memory-bound time (the
+    # real step also casts, normalizes and runs the optimizer's kernels)
+    compute_scale_compiled: float = 1.0
+    compute_scale_eager: float = 1.0
+    # extra GPU time under tp > 1 over the same FLOPs unsplit: SP's norms on shards, the
+    # gathered activations' copies and casts, smaller GEMMs
+    tp_compute_overhead: float = 0.0
+    # a collective inside a step over the same collective alone (alpha-beta): concurrent
+    # kernels and protocol; the tp, ep and cp collectives it scales are all exposed
+    comm_scale: float = 1.0
+    # host seconds per collective call a rank issues (launch, dispatch, and the ranks reaching it
+    # out of step): small micro-batches are bound by calls x this, not by the GPU
+    host_collective_s: float = 0.0
+    host_collective_compiled_s: float = 0.0
+    host_microbatch_compiled_s: float = 0.0
+    # a hidden collective still slows the compute beside it (its kernels take SMs and HBM):
+    # this share of FSDP's hidden time shows in the step
+    overlap_cost: float = 0.0
+    # (ranks, bus bandwidth B/s) of lone collectives inside a node, by group size: on NVSwitch
+    # a pair reaches less than the whole node; `intra` stands in without them
+    intra_bus: tuple[tuple[int, float], ...] = ()
+    # the pipeline's idle share over its schedule's formula
+    bubble_scale: float = 1.0
+    # FP8 (torchao Float8Linear): the converted linears' GEMMs run this much faster per recipe,
+    # and the casts (with their absolute maxima) move this many bytes per element of each linear's
+    # input and output gradient
+    fp8_matmul_speedup: tuple[tuple[str, float], ...] = (("tensorwise", 1.0), ("rowwise", 1.0))
+    fp8_cast_bytes: float = 0.0
+    # where the multi-GPU terms come from: date, machine, commands (`calibrate --fit` writes it)
+    fit_source: str = ""
+
+    def fp8_speedup(self, recipe: str) -> float:
+        return dict(self.fp8_matmul_speedup).get(recipe, 1.0)
 
     def host_layer(self, recompute: str) -> float:
         """Eager host seconds of one layer's forward and backward under `recompute`."""
@@ -82,8 +117,19 @@ def _read(path: str) -> Hardware:
 
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-GPUS = {name: _read(os.path.join(_HERE, "calibration", f"{name}.json")) for name in ("h200", "h100")}
+
+
+def calibration_path(name: str) -> str:
+    """The file of a shipped GPU's name, or the path given."""
+    return os.path.join(_HERE, "calibration", f"{name}.json") if name in ("h200", "h100") else name
+
+
+GPUS = {name: _read(calibration_path(name)) for name in ("h200", "h100")}
 
 
 def hardware(name: str) -> Hardware:
-    return GPUS[name] if name in GPUS else _read(name)
+    if name in GPUS:
+        return GPUS[name]
+    if not os.path.isfile(name):
+        raise ValueError(f"--gpu {name!r}: neither h200, h100 nor a calibration file")
+    return _read(name)

@@ -23,7 +23,11 @@ mesh axes, equal to what a real step issues) by the alpha-beta model on the
 link its group crosses (all-reduce 2(n-1)/n of the bytes, all-gather and
 reduce-scatter (n-1)/n, all-to-all (n-1)/n, p2p 1): TP and EP traffic exposed,
 CP's ring behind attention, FSDP's overlapped with compute except one unit's
-worth, the pipeline's bubble by its schedule's formula.
+worth, the pipeline's bubble by its schedule's formula. What a step on several
+GPUs adds (step_time) is fitted per machine to measured steps (meshtron.planner.fit):
+compile's and TP's effect on the kernels, collectives inside a step, the host per
+collective call and micro-batch (a micro-batch takes the longer of its GPU and host
+time), the bubble's scale, FSDP's overlap cost; FP8's GEMMs, casts and gathers.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -42,7 +47,7 @@ from meshtron.distributed.fused_loss import default_chunk
 from meshtron.distributed.mesh import AXES
 from meshtron.distributed.pipeline_parallel import bubble_fraction, check_pipeline
 from meshtron.planner.comm_model import group_size, step_collectives
-from meshtron.planner.hardware import GPUS, Hardware, hardware
+from meshtron.planner.hardware import GPUS, Hardware, calibration_path, hardware
 from meshtron.planner.state import coordinate, fullest_state, state_bytes
 
 GiB = 2 ** 30
@@ -73,6 +78,10 @@ class Prediction:
             out.append(f"--recompute {p.recompute}")
         if p.hsdp > 1:
             out.append(f"--hsdp {p.hsdp}")
+        if p.compile:
+            out.append("--compile")
+        if p.fp8 != "none":
+            out.append(f"--fp8 {p.fp8}")
         return " ".join(out)
 
 
@@ -81,7 +90,13 @@ def _link(axis: str, degrees: dict[str, int], gpus_per_node: int, hw: Hardware) 
     are adjacent, so a group spans stride * size consecutive ranks."""
     inner = AXES[AXES.index(axis) + 1:]
     span = math.prod(degrees[a] for a in inner) * degrees[axis]
-    return hw.intra if span <= gpus_per_node else hw.inter
+    if span > gpus_per_node:
+        return hw.inter
+    if hw.intra_bus:   # the bus bandwidth measured for the nearest group size at or below this one
+        sizes = sorted(hw.intra_bus)
+        bw = next((b for n, b in reversed(sizes) if n <= degrees[axis]), sizes[0][1])
+        return hw.intra[0], bw
+    return hw.intra
 
 
 def collective_s(kind: str, nbytes: float, n: int, link: tuple[float, float]) -> float:
@@ -112,21 +127,25 @@ def _group(label: str, degrees: tuple[int, ...], hsdp: int, gpus_per_node: int, 
 
 
 def comm_s(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: int, seq_len: int, hw: Hardware,
-           gpus_per_node: int, rank: int = 0) -> tuple[float, float, float, float, float]:
+           gpus_per_node: int, rank: int = 0) -> tuple[float, float, float, float, float, int]:
     """Seconds `rank` spends in one step's collectives (comm_model.step_collectives,
     each by the alpha-beta model on its group's link): (tp, ep all-to-all, cp ring,
-    pp, the data-parallel rest)."""
+    pp, the data-parallel rest), and how many calls it issues (receives excepted)."""
     calls, nbytes = step_collectives(spec, cfg, par, micro_batch, microbatches, seq_len, rank, by_part=True)
     degrees = tuple(par.degrees().values())
     out = dict.fromkeys(("tp", "ep", "cp", "pp", "dp"), 0.0)
+    issued = 0
     for (part, kind, label), n_calls in calls.items():
         if kind == "recv":   # the mirror of a send: the link carries both at once
             continue
+        issued += n_calls
         n, link = _group(label, degrees, par.hsdp, gpus_per_node, hw)
         full = nbytes[(part, kind, label)] * (n if kind == "all_gather" else 1)    # the whole tensor
+        if par.fp8 == "tensorwise" and part == "dp" and kind == "all_gather":
+            full /= 2   # FSDP gathers the converted linears (nearly all the bytes) in fp8
         out[part] += n_calls * collective_s("p2p" if kind == "send" else kind, full / n_calls,
                                             2 if kind == "send" else n, link)
-    return out["tp"], out["ep"], out["cp"], out["pp"], out["dp"]
+    return out["tp"], out["ep"], out["cp"], out["pp"], out["dp"], issued
 
 
 def _layer_elements(cfg, t: int, sp: bool) -> float:
@@ -185,6 +204,8 @@ def compute_s(cfg, par: ParallelConfig, tokens: int, seq_len: int, hw: Hardware,
     if par.recompute == "full":
         matmul, attention = matmul * 4 / 3, attention * 4 / 3
     elementwise = 3 * 2 * tokens / d["cp"] * _layer_elements(cfg, d["tp"], par.sp) * layers
+    if par.recompute == "selective":   # the memory-bound ops run again, reading what the matmuls saved
+        elementwise *= 4 / 3
     optimizer = 28 * cfg.num_params() / math.prod(d.values())
     efficiency = hw.matmul_at(tokens / d["cp"] if gemm_tokens is None else gemm_tokens)
     attention_eff = hw.attention_at(cfg.dim // cfg.n_heads, seq_len / d["cp"])   # cp: blocks of S/cp keys
@@ -192,13 +213,68 @@ def compute_s(cfg, par: ParallelConfig, tokens: int, seq_len: int, hw: Hardware,
             + (elementwise + optimizer) / hw.hbm_bandwidth)
 
 
-def predict(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: int, seq_len: int, hw: Hardware,
-            gpus_per_node: int, memo: dict | None = None) -> Prediction:
-    """Memory and step time of one layout; `memo` shares the state bytes between
-    layouts that differ only in micro-batching or recompute."""
+@dataclass(frozen=True)
+class StepTerms:
+    """A layout's step, before the machine's multi-GPU terms (Hardware's fitted fields)
+    combine it (step_time): what `calibrate --fit` fits those terms on."""
+    compute: float           # calibrated matmul, attention and memory-bound seconds (one GPU's calibration)
+    fp8_cast: float          # FP8's casts at the HBM bandwidth (before fp8_cast_bytes scales them)
+    tp: float                # alpha-beta seconds of each part's collectives
+    ep: float
+    cp: float                # what of the ring the attention does not hide
+    pp: float
+    fsdp: float
+    calls: int               # collective calls this rank issues a step
+    host_eager: float        # eager host seconds (per micro-batch and layer, calibrated on one GPU)
+    microbatches: int
+    layers: int
+    bubble: float            # the schedule's formula
+    compiled: bool
+    tp_split: bool
+
+
+def step_time(t: StepTerms, hw: Hardware) -> tuple[float, float]:
+    """(step seconds, exposed communication seconds): each micro-batch takes the longer of its
+    GPU work (compute, then the tp, ep and cp collectives, which wait for their inputs) and the
+    host's (launches and dispatch per micro-batch and per collective call; ranks out of step wait
+    inside the next collective); the pipeline idles its bubble share of that; FSDP's gathers and
+    reductions run behind the compute except one unit's and what the compute cannot cover."""
+    compute = t.compute * (hw.compute_scale_compiled if t.compiled else hw.compute_scale_eager) * \
+        (1 + hw.tp_compute_overhead * t.tp_split) + t.fp8_cast * hw.fp8_cast_bytes
+    exposed = (t.tp + t.ep + t.cp) * hw.comm_scale
+    fsdp = t.fsdp * hw.comm_scale
+    if t.compiled:
+        host = t.microbatches * hw.host_microbatch_compiled_s + t.calls * hw.host_collective_compiled_s
+    else:
+        host = t.host_eager + t.calls * hw.host_collective_s
+    busy = max(compute + exposed, host)
+    bubble = min(t.bubble * hw.bubble_scale, 0.95)
+    fsdp_exposed = max(0.0, fsdp - compute) + fsdp / max(1, t.layers)
+    fsdp_exposed += hw.overlap_cost * (fsdp - fsdp_exposed)
+    return busy / (1 - bubble) + t.pp + fsdp_exposed, exposed + t.pp + fsdp_exposed
+
+
+def _block_linear_flops(cfg, seq_len: int) -> float:
+    """Per token, forward and backward: the blocks' matmul FLOPs (what FP8 converts): all but
+    the attention's scores and the output head, which stays in the compute dtype."""
+    return cfg.flops_per_token(seq_len) - 12 * cfg.n_layers * cfg.dim * seq_len - 6 * cfg.dim * cfg.vocab_size
+
+
+def _fp8_cast_elements(cfg, tp: int) -> float:
+    """Per token and layer on a tp rank: the elements FP8 casts, each linear's input forward
+    and its output's gradient backward (attention's q, k, v, o and the MLP's three)."""
+    h = cfg.dim
+    kv = getattr(cfg, "n_kv_heads", cfg.n_heads) * (h // cfg.n_heads)
+    ffn = getattr(cfg, "ffn_dim", None) or cfg.ffn_mult * h
+    return (3 * h + ffn + 3 * h + 2 * kv + 2 * ffn) / tp
+
+
+def memory_bytes(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: int, seq_len: int,
+                 memo: dict | None = None) -> tuple[float, float, float, float]:
+    """(total, state, activations, gathered) bytes on the fullest rank."""
     d = par.degrees()
-    n = math.prod(d.values())
-    key = tuple(getattr(par, f.name) for f in dataclasses.fields(par) if f.name not in ("recompute", "microbatches"))
+    key = tuple(getattr(par, f.name) for f in dataclasses.fields(par)
+                if f.name not in ("recompute", "microbatches", "compile"))
     memo = {} if memo is None else memo
     if key not in memo:   # micro-batching and recompute leave the state as it is
         memo[key] = fullest_state(spec, cfg, par)
@@ -208,28 +284,53 @@ def predict(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: int,
     acts = activation_bytes(cfg, par, micro_batch, seq_len, layers) * in_flight
     params_stage = cfg.num_params() / d["pp"] / d["tp"]
     gathered = 2 * params_stage * (1 if par.zero in (0, 1, 2) else 2 / max(1, layers))  # bf16 unsharded copies
-    memory = state + acts + gathered
+    if par.fp8 == "tensorwise" and math.prod(d[a] for a in ("dp", "cp", "ep")) > 1:
+        gathered *= 0.5 + 0.5 * _block_linear_flops(cfg, 0) / cfg.flops_per_token(0)   # the linears gather fp8
+    if microbatches > 1 and (par.zero < 2 or d["pp"] > 1) and par.dtype != "fp32":
+        # unsynced micro-batches accumulate the whole gradient in fp32, beside the sharded one state counts
+        gathered += 4 * params_stage
+    return state + acts + gathered, state, acts, gathered
 
+
+def step_terms(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: int, seq_len: int, hw: Hardware,
+               gpus_per_node: int) -> StepTerms:
+    d = par.degrees()
+    layers = math.ceil(cfg.n_layers / d["pp"])
     tokens = micro_batch * microbatches * seq_len          # per data-parallel rank and step
     compute = compute_s(cfg, par, tokens, seq_len, hw, layers, gemm_tokens=micro_batch * seq_len / d["cp"])
-    if not par.compile:   # each micro-batch takes the longer of its GPU work and its eager host time
-        host = microbatches * (hw.host_microbatch_s + layers * hw.host_layer(par.recompute))
-        compute = max(compute, host)
-    comm = max((comm_s(spec, cfg, par, micro_batch, microbatches, seq_len, hw, gpus_per_node, rank)
-                for rank in _pp_ranks(d)), key=sum)
-    tp_comm, ep_comm, cp_ring, pp_comm, fsdp = comm
-    fsdp_exposed = max(0.0, fsdp - compute) + fsdp / max(1, layers)
+    fp8_cast = 0.0
+    if par.fp8 != "none":
+        linear = _block_linear_flops(cfg, seq_len) * tokens / (d["cp"] * d["tp"] * d["pp"])
+        compute -= linear / (hw.peak_flops * hw.matmul_at(micro_batch * seq_len / d["cp"])) * \
+            (1 - 1 / hw.fp8_speedup(par.fp8))
+        fp8_cast = tokens / d["cp"] * layers * _fp8_cast_elements(cfg, d["tp"]) / hw.hbm_bandwidth
+    host_eager = microbatches * (hw.host_microbatch_s + layers * hw.host_layer(par.recompute))
+    worst = None
+    for rank in _pp_ranks(d):
+        comm = comm_s(spec, cfg, par, micro_batch, microbatches, seq_len, hw, gpus_per_node, rank)
+        if worst is None or sum(comm[:5]) > sum(worst[:5]):
+            worst = comm
+    tp_comm, ep_comm, cp_ring, pp_comm, fsdp, calls = worst
     cp_comm = cp_ring   # the all-gather and all-to-all variants wait for their collectives
     if d["cp"] > 1 and par.cp_comm == "p2p":   # the ring's transfers run behind the attention of the block before
         attention = 6 * micro_batch * seq_len ** 2 / d["cp"] * cfg.dim / d["tp"] / (   # causal, as compute_s
             hw.peak_flops * hw.attention_at(cfg.dim // cfg.n_heads, seq_len / d["cp"]))
         cp_comm = max(0.0, cp_ring - attention * layers * microbatches)
-    busy = compute + tp_comm + ep_comm + cp_comm
     bubble = bubble_fraction(par.pp_schedule, d["pp"], microbatches, par.pp_virtual) if d["pp"] > 1 else 0.0
-    step = busy / (1 - bubble) + pp_comm + fsdp_exposed
-    model_flops = cfg.flops_per_token(seq_len) * tokens * d["dp"] * d["ep"]
+    return StepTerms(compute, fp8_cast, tp_comm, ep_comm, cp_comm, pp_comm, fsdp, calls, host_eager, microbatches,
+                     layers, bubble, par.compile, d["tp"] > 1)
+
+
+def predict(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: int, seq_len: int, hw: Hardware,
+            gpus_per_node: int, memo: dict | None = None) -> Prediction:
+    """Memory and step time of one layout; `memo` shares the state bytes between
+    layouts that differ only in micro-batching, recompute or compiling."""
+    d = par.degrees()
+    memory, state, acts, gathered = memory_bytes(spec, cfg, par, micro_batch, microbatches, seq_len, memo)
+    step, exposed = step_time(step_terms(spec, cfg, par, micro_batch, microbatches, seq_len, hw, gpus_per_node), hw)
+    model_flops = cfg.flops_per_token(seq_len) * micro_batch * microbatches * seq_len * d["dp"] * d["ep"]
     return Prediction(par, micro_batch, microbatches, memory, state, acts, gathered, step,
-                      model_flops / (step * n * hw.peak_flops), tp_comm + ep_comm + cp_comm + pp_comm + fsdp_exposed)
+                      model_flops / (step * math.prod(d.values()) * hw.peak_flops), exposed)
 
 
 # ---- enumeration ------------------------------------------------------------------------
@@ -238,7 +339,11 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def layouts(spec, cfg, gpus: int, seq_len: int, global_batch: int, gpus_per_node: int, dtype: str = "bf16"):
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+
+
+def layouts(spec, cfg, gpus: int, seq_len: int, global_batch: int, gpus_per_node: int, dtype: str = "bf16",
+            compile: bool = False, fp8: str = "none"):
     """Every (ParallelConfig, micro-batch, micro-batches) the trainer accepts for this job."""
     moe = getattr(cfg, "moe", None)
     for tp, pp, cp, ep in itertools.product(_divisors(gpus), repeat=4):
@@ -249,7 +354,7 @@ def layouts(spec, cfg, gpus: int, seq_len: int, global_batch: int, gpus_per_node
         if global_batch % batch_ranks:
             continue
         for zero, mb, recompute, (schedule, virtual) in itertools.product(
-                (0, 1, 2, 3), (1, 2, 4, 8), ("none", "selective", "full"),
+                (0, 1, 2, 3), MICRO_BATCHES, ("none", "selective", "full"),
                 [("1f1b", 1), ("interleaved-1f1b", 2)] if pp > 1 else [("1f1b", 1)]):
             if global_batch % (batch_ranks * mb) or (dp * cp * ep == 1 and zero != 1):
                 continue   # with nothing to shard over, the trainer runs zero 1
@@ -257,7 +362,8 @@ def layouts(spec, cfg, gpus: int, seq_len: int, global_batch: int, gpus_per_node
                 continue
             m = global_batch // (batch_ranks * mb)
             par = ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, sp=tp > 1, zero=zero, recompute=recompute,
-                                 pp_schedule=schedule, pp_virtual=virtual, dtype=dtype, microbatches=m)
+                                 pp_schedule=schedule, pp_virtual=virtual, dtype=dtype, microbatches=m,
+                                 compile=compile, fp8=fp8)
             try:
                 spec.check_layout(cfg, par.degrees(), par, seq_len)
                 if pp > 1:
@@ -268,25 +374,40 @@ def layouts(spec, cfg, gpus: int, seq_len: int, global_batch: int, gpus_per_node
 
 
 def plan(model: str, seq_len: int, global_batch: int, gpus: int, gpus_per_node: int = 8,
-         gpu: str = "h200") -> tuple[list[Prediction], list[Prediction]]:
-    """(layouts that fit, fastest first; those that do not, smallest first)."""
-    spec, cfg = models.get(model)
+         gpu: str = "h200", compile: bool = False, fp8: str = "none",
+         cfg=None, dtype: str = "bf16") -> tuple[list[Prediction], list[Prediction]]:
+    """(layouts that fit, fastest first; those that do not, smallest first); `cfg`: the
+    model's config where it differs from the preset's (--untie-embeddings...)."""
+    spec, preset = models.get(model)
+    cfg = preset if cfg is None else cfg
     hw = hardware(gpu)
     memo = {}
     preds = [predict(spec, cfg, par, mb, m, seq_len, hw, gpus_per_node, memo)
-             for par, mb, m in layouts(spec, cfg, gpus, seq_len, global_batch, gpus_per_node)]
+             for par, mb, m in layouts(spec, cfg, gpus, seq_len, global_batch, gpus_per_node, dtype, compile=compile,
+                                       fp8=fp8)]
     fit = sorted((p for p in preds if p.memory <= hw.memory_bytes), key=lambda p: (p.step_s, p.memory))
     over = sorted((p for p in preds if p.memory > hw.memory_bytes), key=lambda p: p.memory)
     return fit, over
 
 
-COLUMNS = """columns: step ms and MFU, predicted (bf16, the GPU's calibration); GiB on the fullest rank =
+COLUMNS = """columns: step ms and MFU, predicted (bf16, or FP8 with --fp8; the GPU's calibration); GiB on the fullest rank =
 state (fp32 weights, gradients and AdamW moments as sharded) + bf16 (the unsharded bf16 weights computed with:
 a stage's all under ZeRO 0-2, about one block's under ZeRO 3) + acts (activations in flight). Layouts that
 predict the same in every column and differ only in --zero are one row, the lowest --zero, with the others named.
 
 calibration: `python -m meshtron.plan calibrate --out FILE.json` measures this GPU (matmul efficiency, host
-time, links) and writes a file that --gpu reads (docs/planner.md)."""
+time, links) and writes a file that --gpu reads; `calibrate --fit ROWS.jsonl` fits the terms one GPU cannot
+measure to measured steps of whole layouts (docs/planner.md).
+
+what the step model includes: the calibrated matmuls, attention and memory-bound kernels, scaled to what
+compiled and eager blocks measure in a step; TP's extra kernels; each collective by the alpha-beta model at
+the measured bus bandwidth of its group size, scaled to what collectives take inside a step (TP, EP and CP
+exposed; FSDP hidden but for one unit's, what the compute cannot cover and a share that slows the compute
+beside it); the host's time per micro-batch and per collective call (a small micro-batch waits for it: ranks
+out of step wait inside collectives); the pipeline's bubble, scaled to the measured; FP8's faster GEMMs, its
+casts and its fp8 all-gathers. Not included: MoE routing, permutations and grouped GEMMs (MoE steps measured
+1.4-1.7x the prediction); async TP's overlap; the interleaved and zero-bubble schedules' measured stalls at
+pp4; the inter-node link (nominal). Error on the measured H100 layouts: docs/planner.md."""
 
 
 def _collapse_ties(fit: list[Prediction]) -> list[tuple[Prediction, list[int]]]:
@@ -301,6 +422,13 @@ def _collapse_ties(fit: list[Prediction]) -> list[tuple[Prediction, list[int]]]:
                 continue
         rows.append((pr, []))
     return rows
+
+
+def calibration_line(gpu: str) -> str:
+    """Which calibration a prediction used, in one line."""
+    hw = hardware(gpu)
+    fitted = hw.fit_source or "multi-GPU terms not fitted (one GPU's calibration alone: optimistic on several GPUs)"
+    return f"{os.path.relpath(calibration_path(gpu))}: {hw.name}; {fitted}"
 
 
 def launch_command(gpus: int, gpus_per_node: int) -> str:
@@ -323,6 +451,9 @@ def parser() -> argparse.ArgumentParser:
                    "(default %(default)s)")
     p.add_argument("--gpu", default="h200", help="h200, h100 or a calibration JSON file (default %(default)s)")
     p.add_argument("--top", type=int, default=15, help="rows to print, fastest first (default %(default)s)")
+    p.add_argument("--compile", action="store_true", help="plan compiled blocks (and print --compile)")
+    p.add_argument("--fp8", default="none", choices=("none", "tensorwise", "rowwise"),
+                   help="plan FP8 matmuls (and print --fp8; default %(default)s)")
     return p
 
 
@@ -333,11 +464,15 @@ def main(argv=None) -> None:
         return calibrate(argv[1:])
     a = parser().parse_args(argv)
     t0 = time.perf_counter()
-    fit, over = plan(a.model, a.seq_len, a.global_batch, a.gpus, a.gpus_per_node, a.gpu)
+    try:
+        fit, over = plan(a.model, a.seq_len, a.global_batch, a.gpus, a.gpus_per_node, a.gpu, a.compile, a.fp8)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     rows = _collapse_ties(fit)
     print(f"{a.model}, sequence {a.seq_len}, global batch {a.global_batch}, {a.gpus} x {a.gpu} "
           f"({a.gpus_per_node} per node): {len(fit)} layouts fit, {len(over)} do not "
           f"(planned in {time.perf_counter() - t0:.2f} s)")
+    print(f"calibration: {calibration_line(a.gpu)}")
     print(f"{'#':>3} {'step ms':>8} {'MFU':>6} {'GiB':>7} {'state':>7} {'bf16':>7} {'acts':>7}  command")
     launch = launch_command(a.gpus, a.gpus_per_node)
     for i, (pr, same) in enumerate(rows[:a.top], 1):

@@ -5,7 +5,8 @@
 
 `run` parses the flags (meshtron.config), starts the process group, trains
 (meshtron/train/trainer.py) and reports any problem of the user's as one line
-(lifetime.one_line_errors). `--dry-run` hands the config to the planner instead.
+(lifetime.one_line_errors). `--dry-run` hands the config to the planner instead;
+`--layout auto` asks the planner for the layout first (meshtron.train.planned).
 
 Test hooks (environment, not flags): MESHTRON_EXIT_AFTER=N stops after N steps
 of this run (the schedule still spans --steps); MESHTRON_CRASH_AT_STEP=N kills
@@ -14,6 +15,7 @@ rank 1 at step N on a torchrun job's first attempt (fault-recovery tests).
 from __future__ import annotations
 
 import os
+import sys
 
 import torch.distributed as dist
 
@@ -47,6 +49,18 @@ def _crash_hook(rank: int):
 def main(argv=None, *, description: str | None = None, exit_after: int | None = None) -> list[float]:
     """Parse, build, train; returns the losses. Used by recipes/train.py and tests."""
     config, args = Config.parse(argv, description, models.PRESETS)
+    if args.layout == "auto":   # the planner picks the layout before anything is built
+        from meshtron.train import planned
+        world = args.dry_run or _env_int("WORLD_SIZE") or 1
+        config, pred = planned.choose(config, world, _env_int("LOCAL_WORLD_SIZE") or world,
+                                      planned.calibration_gpu())
+        if os.environ.get("RANK", "0") == "0":
+            print(planned.choice_line(pred, world, planned.calibration_gpu()), flush=True)
+        if args.dry_run is not None:
+            print(planned.command_line(list(sys.argv[1:] if argv is None else argv), pred, world), flush=True)
+            return []
+    elif args.dry_run == 0:
+        raise ConfigError("--dry-run needs N, the world size to build (or --layout auto)")
     if args.dry_run is not None:
         from meshtron.planner.dry_run import dry_run  # the planner and the fake process group, only when asked
         ranks = None if args.dry_run_ranks is None else [int(r) for r in args.dry_run_ranks.split(",")]

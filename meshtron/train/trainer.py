@@ -38,7 +38,7 @@ from meshtron.distributed.reduce import sum_over
 from meshtron.distributed.tied import materialize
 from meshtron.models.common.documents import document_inputs
 from meshtron.models.common.moe import RoutingStats
-from meshtron.train import checkpoint, hf
+from meshtron.train import checkpoint, hf, planned
 from meshtron.train.layout import build_model, pipeline_io, resolve_layout
 from meshtron.train.lifetime import DirectoryLock, describe
 from meshtron.train.loss import IGNORE_INDEX, forward_kwargs
@@ -284,6 +284,8 @@ class Trainer:
             losses.append(loss)   # a device tensor: reading it every step would sync the GPU
             if step % tr.log_interval == 0 or step == tr.steps or step == self.start + 1:
                 self._report(step, float(losses[-1]), float(norm), meter.report(), time.perf_counter() - t_start)
+            if step == self.start + 1:   # the first step compiles and warms up: the planner's check times the rest
+                t_first = time.perf_counter()
             if self.eval_loader is not None and (step % c.data.eval_interval == 0 or step == tr.steps):
                 eval_loss = self.evaluate()
                 self.run_log.record(step, {"eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 80))},
@@ -304,6 +306,11 @@ class Trainer:
             for r, (ids, mem) in enumerate(per_rank):
                 host = " (host RSS)" if self.device.type == "cpu" else ""
                 self.log(f"rank {r} stages {ids}: peak mem {mem:.2f} GiB{host}")
+        if losses and dist.get_rank() == 0:   # beside the closing line: each run checks the planner's cost model
+            float(losses[-1])   # the device done with the last step
+            done = last - self.start
+            measured = (time.perf_counter() - t_first) / (done - 1) if done > 1 else None
+            self.log(planned.comparison_line(c, dist.get_world_size(), self.microbatches, measured, self.device))
         self._closing_line(losses, last, time.perf_counter() - t_start)
         self.close()
         return [float(x) for x in losses]
