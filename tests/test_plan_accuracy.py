@@ -3,7 +3,6 @@ measurements are data (meshtron/planner/calibration/h100_measured.jsonl, each ro
 its source), the predictions come from the shipped calibration; no timing here."""
 import collections
 import dataclasses
-import json
 import math
 import os
 import subprocess

@@ -26,8 +26,8 @@ from meshtron.planner import plan
 from meshtron.planner.hardware import Hardware, calibration_path
 
 # (term, lowest, highest): the range a physical value can take
-TERMS = (("compute_scale_compiled", 0.7, 1.6), ("compute_scale_eager", 0.7, 1.6), ("tp_compute_overhead", 0.0, 0.8), ("comm_scale", 0.3, 4.0),
-         ("host_collective_s", 0.0, 5e-3), ("host_collective_compiled_s", 0.0, 5e-3),
+TERMS = (("compute_scale_compiled", 0.7, 1.6), ("compute_scale_eager", 0.7, 1.6), ("tp_compute_overhead", 0.0, 0.8),
+         ("comm_scale", 0.3, 4.0), ("host_collective_s", 0.0, 5e-3), ("host_collective_compiled_s", 0.0, 5e-3),
          ("host_microbatch_compiled_s", 0.0, 0.05), ("bubble_scale", 0.3, 4.0), ("overlap_cost", 0.0, 1.0))
 
 NEUTRAL = {"compute_scale_compiled": 1.0, "compute_scale_eager": 1.0, "comm_scale": 1.0, "bubble_scale": 1.0}

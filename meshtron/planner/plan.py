@@ -390,10 +390,11 @@ def plan(model: str, seq_len: int, global_batch: int, gpus: int, gpus_per_node: 
     return fit, over
 
 
-COLUMNS = """columns: step ms and MFU, predicted (bf16, or FP8 with --fp8; the GPU's calibration); GiB on the fullest rank =
-state (fp32 weights, gradients and AdamW moments as sharded) + bf16 (the unsharded bf16 weights computed with:
-a stage's all under ZeRO 0-2, about one block's under ZeRO 3) + acts (activations in flight). Layouts that
-predict the same in every column and differ only in --zero are one row, the lowest --zero, with the others named.
+COLUMNS = """columns: step ms and MFU, predicted (bf16, or FP8 with --fp8; the GPU's calibration); GiB on the
+fullest rank = state (fp32 weights, gradients and AdamW moments as sharded) + bf16 (the unsharded bf16 weights
+computed with: a stage's all under ZeRO 0-2, about one block's under ZeRO 3) + acts (activations in flight).
+Layouts that predict the same in every column and differ only in --zero are one row, the lowest --zero, with
+the others named.
 
 calibration: `python -m meshtron.plan calibrate --out FILE.json` measures this GPU (matmul efficiency, host
 time, links) and writes a file that --gpu reads; `calibrate --fit ROWS.jsonl` fits the terms one GPU cannot

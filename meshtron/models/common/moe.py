@@ -369,8 +369,7 @@ def end_step(blocks: list[MoE]) -> RoutingStats:
         if m.cfg.bias_update > 0 and not m.cfg.balanced:
             step = m.cfg.bias_update * (1 - own / own.mean().clamp_min(1e-9))
             m.router.expert_bias += step - step.mean()   # centred: only differences select
-        if own.sum() > 0:
-            m.load_fraction.copy_(own / own.sum())
+        m.load_fraction.copy_(torch.where(own.sum() > 0, own / own.sum().clamp_min(1e-9), m.load_fraction))
         out[:SUMMED] += torch.stack([aux, dropped, load.sum()]) / m.calls.clamp_min(1)
         worst = torch.stack([x.max() / x.mean().clamp_min(1e-9) for x in (load, own)])
         out[SUMMED:] = torch.maximum(out[SUMMED:], worst)
