@@ -119,8 +119,13 @@ class Trainer:
     def _build_loaders(self, tokens, eval_tokens) -> tuple:
         """This rank's slice of every global batch, for training and evaluation."""
         tr, index, count = self.config.training, *batch_slice(self.mesh)
+        note = ""
+        if tr.global_batch is None:   # the default moves with the layout: --tp 2 on 2 ranks halves it
+            per = f" x {self.microbatches} micro-batches" if self.microbatches > 1 else ""
+            note = (f" (the default: --micro-batch {tr.micro_batch} x {count} data-parallel rank"
+                    f"{'s' if count > 1 else ''} (dp x ep){per}, so the other axes' degrees change it)")
         loader = BatchLoader(tokens, tr.seq_len, self.global_batch, index, count, tr.micro_batch, seed=tr.seed,
-                             shuffle=self.config.data.shuffle)
+                             shuffle=self.config.data.shuffle, batch_note=note)
         return loader, None if eval_tokens is None else BatchLoader(
             eval_tokens, tr.seq_len, self.global_batch, index, count, tr.micro_batch, seed=tr.seed)
 
