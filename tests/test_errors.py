@@ -96,7 +96,8 @@ def test_data_problems_name_the_file(pools, tmp_path):
 def test_out_of_vocabulary_ids_are_caught_at_load(tmp_path):
     path = str(tmp_path / "t.u32")
     write_token_file(path, [1, 2, 500, 3])
-    with pytest.raises(ValueError, match="token id 500 .* not below the model's vocabulary size 320"):
+    with pytest.raises(ValueError, match="token id 500 .* not below the model's vocabulary size 320; pass "
+                                         "--vocab-size 501 or more"):
         load_tokens(path, 320)
     assert list(load_tokens(path, 501)) == [1, 2, 500, 3]
 
@@ -138,7 +139,9 @@ def test_the_recipe_prints_one_line_once_and_exits_non_zero():
     out = _run_recipe(TINY + ["--tp", "2", "--sp"])
     assert out.returncode == 1 and out.stdout == ""
     assert out.stderr.strip().splitlines() == [
-        "error: pp*cp*tp*ep = 1*1*2*1 = 2 does not divide the world size 1"], out.stderr
+        "error: pp*cp*tp*ep = 1*1*2*1 = 2 does not divide the world size 1: this is one process; start 2 ranks "
+        "(or a multiple) with the launcher in front of the same command, meshtron-run --nproc-per-node 2 SCRIPT "
+        "FLAGS"], out.stderr
     out = _run_recipe(TINY + ["--tp", "2", "--sp", "--seq-len", "127"], nproc=4)
     assert out.returncode != 0
     ours = [line for line in out.stderr.splitlines() if line.startswith("error:")]
