@@ -280,7 +280,8 @@ def plan(model: str, seq_len: int, global_batch: int, gpus: int, gpus_per_node: 
     return fit, over
 
 
-COLUMNS = """columns: step ms and MFU, predicted (bf16, the GPU's calibration); GiB on the fullest rank =
+COLUMNS = """columns: step ms and MFU, predicted (bf16, the GPU's calibration); GiB (MiB where all are under one)
+on the fullest rank =
 state (fp32 weights, gradients and AdamW moments as sharded) + bf16 (the unsharded bf16 weights computed with:
 a stage's all under ZeRO 0-2, about one block's under ZeRO 3) + acts (activations in flight). Layouts that
 predict the same in every column and differ only in --zero are one row, the lowest --zero, with the others named.
@@ -335,15 +336,17 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     fit, over = plan(a.model, a.seq_len, a.global_batch, a.gpus, a.gpus_per_node, a.gpu)
     rows = _collapse_ties(fit)
-    print(f"{a.model}, sequence {a.seq_len}, global batch {a.global_batch}, {a.gpus} x {a.gpu} "
-          f"({a.gpus_per_node} per node): {len(fit)} layouts fit, {len(over)} do not "
-          f"(planned in {time.perf_counter() - t0:.2f} s)")
-    print(f"{'#':>3} {'step ms':>8} {'MFU':>6} {'GiB':>7} {'state':>7} {'bf16':>7} {'acts':>7}  command")
+    nodes = f" ({a.gpus_per_node} per node)" if a.gpus > a.gpus_per_node else ""   # one node: nothing to say
+    print(f"{a.model}, sequence {a.seq_len}, global batch {a.global_batch}, {a.gpus} x {a.gpu}{nodes}: "
+          f"{len(fit)} layouts fit, {len(over)} do not (planned in {time.perf_counter() - t0:.2f} s)")
+    # a model that fits in under a GiB a rank would print 0.0 in every memory column
+    unit, size = ("GiB", GiB) if any(pr.memory >= GiB for pr, _ in rows[:a.top]) else ("MiB", 2**20)
+    print(f"{'#':>3} {'step ms':>8} {'MFU':>6} {unit:>7} {'state':>7} {'bf16':>7} {'acts':>7}  command")
     launch = launch_command(a.gpus, a.gpus_per_node)
     for i, (pr, same) in enumerate(rows[:a.top], 1):
         also = f"   (the same at --zero {', '.join(map(str, same))})" if same else ""
-        print(f"{i:>3} {pr.step_s * 1e3:8.1f} {pr.mfu:6.1%} {pr.memory / GiB:7.1f} {pr.state / GiB:7.1f} "
-              f"{pr.gathered / GiB:7.1f} {pr.activations / GiB:7.1f}  {launch} recipes/train.py "
+        print(f"{i:>3} {pr.step_s * 1e3:8.1f} {pr.mfu:6.1%} {pr.memory / size:7.1f} {pr.state / size:7.1f} "
+              f"{pr.gathered / size:7.1f} {pr.activations / size:7.1f}  {launch} recipes/train.py "
               f"--model {a.model} --seq-len {a.seq_len} --global-batch {a.global_batch} --dtype bf16 {pr.flags()}"
               + also)
     if a.gpus > min(a.gpus, a.gpus_per_node):
