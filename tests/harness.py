@@ -7,6 +7,14 @@ per-rank results. If any rank raises, or the check outlasts its timeout (a
 rank stuck in a collective), the pool is killed and restarted on next use, and
 the error carries the failing rank's traceback. A fresh 4-rank world costs
 seconds; a check on a warm pool costs tens of milliseconds.
+
+Tests start ranks here, not with torch.multiprocessing.spawn: a spawned rank
+exits through the interpreter's teardown, and a gloo group that a mesh still
+references keeps threads that then abort the finished rank (SIGABRT, "terminate
+called without an active exception"), on a loaded machine, after its checks
+passed. A pool rank is a forked process, which ends by os._exit (or the pool's
+kill), never through that teardown; the recipe skips it the same way
+(meshtron/train/lifetime.py, one_line_errors).
 """
 from __future__ import annotations
 

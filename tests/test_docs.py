@@ -6,8 +6,10 @@ How a block is run (see docs/testing.md):
 - from a scratch directory per page, which holds links to the checkout's top-level
   entries (recipes/, benchmarks/, ...), so a page's blocks run in order and share
   their outputs (a later block resumes an earlier one's checkpoint);
-- `.venv/bin/` is dropped and the test's own interpreter comes first on PATH, with
-  the checkout first on PYTHONPATH;
+- the commands run as written: `.venv` in the scratch directory is the test's own
+  environment, and that environment's bin/ is taken off PATH, so a bare `python`
+  or `meshtron-run` fails here as it does in a shell that did not activate it;
+  the checkout is first on PYTHONPATH;
 - the fence's attributes shorten it: ```bash steps=N runs every `--steps M` as
   `--steps N`; check=NAME runs CHECKS[NAME] on its output and directory;
 - a first line `# gpu: why` or `# cluster: why` marks a block that needs a GPU or
@@ -39,6 +41,7 @@ PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.pa
 CHECKED = PAGES + ["benchmarks/RESULTS.md"]   # links, paths, names and flags (HISTORY.md keeps old names as they were)
 SKIP_MARKERS = {"gpu": "needs a GPU", "cluster": "needs several machines"}
 TOP_LEVEL = ("meshtron/", "tests/", "benchmarks/", "recipes/", "docs/", ".ci/")
+BIN = os.path.dirname(os.path.abspath(sys.executable))
 
 
 @dataclass
@@ -132,9 +135,20 @@ def workdirs(tmp_path_factory):
             for name in os.listdir(ROOT):
                 if name not in (".git", ".venv", "runs") and not name.startswith(".pytest"):
                     os.symlink(os.path.join(ROOT, name), d / name)
+            venv(d / ".venv")
             dirs[page] = str(d)
         return dirs[page]
     return get
+
+
+def venv(link) -> None:
+    """`link` as the pages' `.venv`: the environment this test runs in (its bin/ alone
+    where the interpreter is not a venv's)."""
+    if sys.prefix != sys.base_prefix:
+        os.symlink(sys.prefix, link)
+    else:
+        os.mkdir(link)
+        os.symlink(BIN, os.path.join(link, "bin"))
 
 
 def free_port() -> int:
@@ -152,7 +166,7 @@ def without_install(text: str) -> str:
 
 
 def as_run(b: Block) -> str:
-    script = without_install(b.text).replace(".venv/bin/", "")
+    script = without_install(b.text)
     if "steps" in b.attrs:
         script = re.sub(r"--steps \d+", f"--steps {b.attrs['steps']}", script)
     return script
@@ -168,8 +182,8 @@ def run_params():
 @pytest.mark.parametrize("block", list(run_params()))
 def test_block_runs(block: Block, workdirs):
     cwd = workdirs(block.page)
-    bin_dir = os.path.dirname(os.path.abspath(sys.executable))
-    env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"], OMP_NUM_THREADS="1",
+    path = [d for d in os.environ["PATH"].split(os.pathsep) if os.path.abspath(d) != BIN]
+    env = dict(os.environ, PATH=os.pathsep.join(path), OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     env.pop("TRITON_INTERPRET", None)    # conftest's, for the kernels' tests; the commands run as a user's would
     port = str(free_port())              # torchrun's and the one-process recipe's default ports may be taken
@@ -179,6 +193,21 @@ def test_block_runs(block: Block, workdirs):
     assert out.returncode == 0, f"{block_id(block)}\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
     if "check" in block.attrs:
         CHECKS[block.attrs["check"]](out.stdout, cwd)
+
+
+# a program given arguments where a command starts: a line's start, after env assignments,
+# &&, ||, |, ; or $( (a name alone, `meshtron-run`, is prose)
+COMMAND = re.compile(r"(?:^|&&|\|\||\||;|\$\()\s*(?:[A-Z_]+=\S*\s+)*(?<![\w/.-])"
+                     r"(python3?|pip|torchrun|meshtron-run)(?=\s+\S)")
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_commands_use_the_venv_as_readme_makes_it(page):
+    # README creates .venv and does not activate it: a bare `python` is then another Python
+    # (No module named 'torch'), `meshtron-run` is not found. Blocks and `inline` commands alike.
+    lines = [ln for b in code_blocks(page) for ln in b.text.splitlines()] + code_spans(page)
+    bare = [ln for ln in lines for m in COMMAND.finditer(ln) if not ln[m.start(1):].startswith("python3 -m venv ")]
+    assert not bare, f"{page}: commands without .venv/bin/: {bare}"
 
 
 @pytest.mark.parametrize("page", PAGES)

@@ -96,7 +96,8 @@ def test_data_problems_name_the_file(pools, tmp_path):
 def test_out_of_vocabulary_ids_are_caught_at_load(tmp_path):
     path = str(tmp_path / "t.u32")
     write_token_file(path, [1, 2, 500, 3])
-    with pytest.raises(ValueError, match="token id 500 .* not below the model's vocabulary size 320"):
+    with pytest.raises(ValueError, match="token id 500 .* not below the model's vocabulary size 320; pass "
+                                         "--vocab-size 501 or more"):
         load_tokens(path, 320)
     assert list(load_tokens(path, 501)) == [1, 2, 500, 3]
 
@@ -138,7 +139,9 @@ def test_the_recipe_prints_one_line_once_and_exits_non_zero():
     out = _run_recipe(TINY + ["--tp", "2", "--sp"])
     assert out.returncode == 1 and out.stdout == ""
     assert out.stderr.strip().splitlines() == [
-        "error: pp*cp*tp*ep = 1*1*2*1 = 2 does not divide the world size 1"], out.stderr
+        "error: pp*cp*tp*ep = 1*1*2*1 = 2 does not divide the world size 1: this is one process; start 2 ranks "
+        "(or a multiple) with the launcher in front of the same command, meshtron-run --nproc-per-node 2 SCRIPT "
+        "FLAGS"], out.stderr
     out = _run_recipe(TINY + ["--tp", "2", "--sp", "--seq-len", "127"], nproc=4)
     assert out.returncode != 0
     ours = [line for line in out.stderr.splitlines() if line.startswith("error:")]
@@ -161,6 +164,22 @@ def test_a_command_line_mistake_under_the_launcher_is_one_line_once(bad, message
     lines = out.stderr.strip().splitlines()
     assert lines == [message, f"meshtron-run: {os.path.join(ROOT, 'recipes', 'train.py')} failed on rank 0 "
                               f"(exit code 1): {message}"], out.stderr
+
+
+def test_a_resume_at_another_default_global_batch_says_why_once_and_what_to_pass(pools, tmp_path):
+    # the default global batch is --micro-batch x the data-parallel ranks: dp2 makes 4, tp2 on the same
+    # two ranks 2. One line from rank 0 (every rank found it), then the launcher's.
+    ck = str(tmp_path / "ck")
+    pools.run(2, train, TINY + ["--dp", "2", "--checkpoint-dir", ck, "--checkpoint-interval", "2"])
+    out = _run_recipe(TINY + ["--tp", "2", "--steps", "4", "--checkpoint-dir", ck, "--resume", "auto"], nproc=2,
+                      launcher="meshtron.launch")
+    assert out.returncode == 1, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[1].startswith("meshtron-run: ") and lines[1].endswith(lines[0]), out.stderr
+    assert lines[0].startswith("error: the checkpoint's data position is 2 batches of 4 x 32 tokens; this run uses "
+                               "2 x 32 (the default: --micro-batch 2 x 1 data-parallel rank (dp x ep), so the other "
+                               "axes' degrees change it), which cannot continue the same sample order: pass "
+                               "--global-batch 4 to continue it, or --data-rebatch"), lines[0]
 
 
 def test_metrics_file_has_one_json_line_per_logged_step_and_appends_on_resume(pools, tmp_path):

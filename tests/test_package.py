@@ -115,3 +115,17 @@ def test_importing_meshtron_and_a_transformers_model_prints_nothing():
     out = subprocess.run([sys.executable, "-c", "import meshtron; from transformers import LlamaForCausalLM"],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0 and out.stdout == "" and out.stderr == "", out.stderr
+
+
+def test_tests_start_ranks_only_through_the_harness_pools():
+    # a spawned rank ends through the interpreter's teardown, which live gloo threads abort under
+    # load (test_dtensor_two_ranks_gloo, SIGABRT after its checks passed); tests/harness.py says why
+    found = []
+    for folder, _, files in os.walk(os.path.join(ROOT, "tests")):
+        for name in files:
+            path = os.path.join(folder, name)
+            if name.endswith(".py") and name != "harness.py":
+                for node in ast.walk(ast.parse(open(path).read())):
+                    if isinstance(node, ast.Attribute) and node.attr in ("spawn", "start_processes", "Process"):
+                        found.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}: .{node.attr}")
+    assert not found, found

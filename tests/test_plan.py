@@ -192,6 +192,16 @@ def test_the_command_prints_a_ranked_table(capsys):
     assert "layouts fit" in out and out.count("meshtron-run --nproc-per-node 4 recipes/train.py --model llama-1B") == 3
 
 
+def test_a_small_job_shows_its_memory_and_no_nodes(capsys):
+    # a tiny model printed 0.0 in every GiB column, and "2 x h200 (8 per node)" for two GPUs
+    plan.main(["--model", "tiny", "--seq-len", "64", "--global-batch", "8", "--gpus", "2", "--top", "3"])
+    out = capsys.readouterr().out
+    header, columns, *rows = out.splitlines()
+    assert "2 x h200: " in header and "per node" not in header, header
+    assert columns.split()[4] == "MiB", columns     # "#", "step", "ms", "MFU", then memory
+    assert all(float(r.split()[3]) > 0 for r in rows), out
+
+
 def test_the_table_adds_up_names_ties_once_and_launches_every_node(capsys):
     # issue 36, point 6: GiB = state + bf16 + acts; --zero 1 and 2 rows that predict the same are one row;
     # a multi-node command carries its rendezvous

@@ -34,6 +34,7 @@ class BatchLoader:
     seed: int = 0
     step: int = 0
     shuffle: bool = True
+    batch_note: str = ""   # how the run came to its global batch, for the resume error ("(the default, ...)")
 
     def __post_init__(self):
         if not hasattr(self.data, "order"):     # an array of token ids
@@ -88,11 +89,13 @@ class BatchLoader:
             raise ValueError(f"data loader state has seed={sd['seed']}, this run uses {self.seed}")
         if (sd["global_batch"], sd["seq_len"]) != (self.global_batch, self.seq_len):
             if not rebatch_by_tokens:
+                same = [f"--global-batch {sd['global_batch']}"] * (sd["global_batch"] != self.global_batch) + \
+                       [f"--seq-len {sd['seq_len']}"] * (sd["seq_len"] != self.seq_len)
                 raise ValueError(
                     f"the checkpoint's data position is {sd['step']} batches of {sd['global_batch']} x {sd['seq_len']} "
-                    f"tokens; this run uses {self.global_batch} x {self.seq_len}, which cannot continue the same "
-                    "sample order. Keep the global batch and sequence length, or pass --data-rebatch to go on "
-                    "at the same token count")
+                    f"tokens; this run uses {self.global_batch} x {self.seq_len}{self.batch_note}, which cannot "
+                    f"continue the same sample order: pass {' '.join(same)} to continue it, or --data-rebatch to go "
+                    "on at the same token count")
             self.step = sd["step"] * sd["global_batch"] * sd["seq_len"] // (self.global_batch * self.seq_len)
             return
         self.step = sd["step"]

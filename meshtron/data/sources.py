@@ -137,8 +137,13 @@ def load_tokens(source: str | None, vocab_size: int | None = None, tokenizer: st
         top = _max_id(tokens)
         if top >= vocab_size:
             where = next(i + int(np.argmax(c >= vocab_size)) for i, c in _chunks(tokens) if c.max() >= vocab_size)
+            fix = f"pass --vocab-size {top + 1} or more (the vocabulary of the tokenizer that made these ids)"
+            if tokenizer:
+                n = load_tokenizer(tokenizer).vocab_size
+                if n > top:
+                    fix = f"--tokenizer {tokenizer} has {n} tokens: pass --vocab-size {n}"
             raise ValueError(f"--data {source or 'stdlib'}: token id {top} (first out-of-range id at position "
-                             f"{where}) is not below the model's vocabulary size {vocab_size}")
+                             f"{where}) is not below the model's vocabulary size {vocab_size}; {fix}")
     return tokens
 
 

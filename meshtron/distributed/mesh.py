@@ -41,7 +41,11 @@ def resolve_degrees(world_size: int, dp: int = -1, pp: int = 1, cp: int = 1, tp:
     rest = pp * cp * tp * ep
     if dp == -1:
         if world_size % rest:
-            raise ValueError(f"pp*cp*tp*ep = {pp}*{cp}*{tp}*{ep} = {rest} does not divide the world size {world_size}")
+            # a world of one is most often a script started without the launcher
+            alone = (f": this is one process; start {rest} ranks (or a multiple) with the launcher in front of the "
+                     f"same command, meshtron-run --nproc-per-node {rest} SCRIPT FLAGS") if world_size == 1 else ""
+            raise ValueError(f"pp*cp*tp*ep = {pp}*{cp}*{tp}*{ep} = {rest} does not divide the world size "
+                             f"{world_size}{alone}")
         degrees["dp"] = world_size // rest
     if degrees["dp"] * rest != world_size:
         hint = ""

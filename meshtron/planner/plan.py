@@ -390,11 +390,11 @@ def plan(model: str, seq_len: int, global_batch: int, gpus: int, gpus_per_node: 
     return fit, over
 
 
-COLUMNS = """columns: step ms and MFU, predicted (bf16, or FP8 with --fp8; the GPU's calibration); GiB on the
-fullest rank = state (fp32 weights, gradients and AdamW moments as sharded) + bf16 (the unsharded bf16 weights
-computed with: a stage's all under ZeRO 0-2, about one block's under ZeRO 3) + acts (activations in flight).
-Layouts that predict the same in every column and differ only in --zero are one row, the lowest --zero, with
-the others named.
+COLUMNS = """columns: step ms and MFU, predicted (bf16, or FP8 with --fp8; the GPU's calibration); GiB (MiB
+where all are under one) on the fullest rank = state (fp32 weights, gradients and AdamW moments as sharded) +
+bf16 (the unsharded bf16 weights computed with: a stage's all under ZeRO 0-2, about one block's under ZeRO 3)
++ acts (activations in flight). Layouts that predict the same in every column and differ only in --zero are
+one row, the lowest --zero, with the others named.
 
 calibration: `python -m meshtron.plan calibrate --out FILE.json` measures this GPU (matmul efficiency, host
 time, links) and writes a file that --gpu reads; `calibrate --fit ROWS.jsonl` fits the terms one GPU cannot
@@ -470,16 +470,18 @@ def main(argv=None) -> None:
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     rows = _collapse_ties(fit)
-    print(f"{a.model}, sequence {a.seq_len}, global batch {a.global_batch}, {a.gpus} x {a.gpu} "
-          f"({a.gpus_per_node} per node): {len(fit)} layouts fit, {len(over)} do not "
-          f"(planned in {time.perf_counter() - t0:.2f} s)")
+    nodes = f" ({a.gpus_per_node} per node)" if a.gpus > a.gpus_per_node else ""   # one node: nothing to say
+    print(f"{a.model}, sequence {a.seq_len}, global batch {a.global_batch}, {a.gpus} x {a.gpu}{nodes}: "
+          f"{len(fit)} layouts fit, {len(over)} do not (planned in {time.perf_counter() - t0:.2f} s)")
     print(f"calibration: {calibration_line(a.gpu)}")
-    print(f"{'#':>3} {'step ms':>8} {'MFU':>6} {'GiB':>7} {'state':>7} {'bf16':>7} {'acts':>7}  command")
+    # a model that fits in under a GiB a rank would print 0.0 in every memory column
+    unit, size = ("GiB", GiB) if any(pr.memory >= GiB for pr, _ in rows[:a.top]) else ("MiB", 2**20)
+    print(f"{'#':>3} {'step ms':>8} {'MFU':>6} {unit:>7} {'state':>7} {'bf16':>7} {'acts':>7}  command")
     launch = launch_command(a.gpus, a.gpus_per_node)
     for i, (pr, same) in enumerate(rows[:a.top], 1):
         also = f"   (the same at --zero {', '.join(map(str, same))})" if same else ""
-        print(f"{i:>3} {pr.step_s * 1e3:8.1f} {pr.mfu:6.1%} {pr.memory / GiB:7.1f} {pr.state / GiB:7.1f} "
-              f"{pr.gathered / GiB:7.1f} {pr.activations / GiB:7.1f}  {launch} recipes/train.py "
+        print(f"{i:>3} {pr.step_s * 1e3:8.1f} {pr.mfu:6.1%} {pr.memory / size:7.1f} {pr.state / size:7.1f} "
+              f"{pr.gathered / size:7.1f} {pr.activations / size:7.1f}  {launch} recipes/train.py "
               f"--model {a.model} --seq-len {a.seq_len} --global-batch {a.global_batch} --dtype bf16 {pr.flags()}"
               + also)
     if a.gpus > min(a.gpus, a.gpus_per_node):

@@ -261,9 +261,9 @@ def validate(path: str, config=None, verify_crc: bool = True, name: str | None =
     if diff:   # before the files: a checkpoint of another model is refused, whole or not
         there = meta.get("preset") or meta.get("model") or "another model"
         here = f", this run trains {name}" if name else ""
-        raise ModelMismatch(f"checkpoint {path} is for another model: "
+        raise ModelMismatch(f"checkpoint {path} is for another model: it holds {there}{here} ("
                             + ", ".join(f"{k}={a!r} there, {b!r} here" for k, (a, b) in diff.items())
-                            + f" (it holds {there}{here}); nothing was written")
+                            + "); nothing was written")
     for fname, info in meta["files"].items():
         fp = os.path.join(path, fname)
         if not os.path.isfile(fp):
@@ -305,7 +305,8 @@ def load(path: str, parts, optimizer=None, scheduler=None, loader=None, *, confi
     if scheduler is not None:
         scheduler.load_state_dict(sd["scheduler"])
     if loader is not None:
-        loader.load_state_dict(sd["data"], rebatch_by_tokens=rebatch_by_tokens)
+        with agree():   # every rank finds the same: one message, not one per rank
+            loader.load_state_dict(sd["data"], rebatch_by_tokens=rebatch_by_tokens)
     if key in sd:
         torch.set_rng_state(sd[key]["cpu"])
         if "cuda" in sd[key] and torch.cuda.is_available():

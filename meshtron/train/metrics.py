@@ -38,25 +38,30 @@ def peak_memory_gib(device: torch.device) -> float | None:
 
 
 class Throughput:
-    """Tokens/s and TFLOP/s per GPU over the steps since the last report."""
+    """Tokens/s and TFLOP/s per GPU over the steps since the last report.
+    `attention_per_token`: the part of flops_per_token that is causal attention,
+    which `add` scales by the share of it a document mask keeps."""
 
-    def __init__(self, flops_per_token: float, world_size: int, device: torch.device):
+    def __init__(self, flops_per_token: float, world_size: int, device: torch.device,
+                 attention_per_token: float = 0.0):
         self.flops_per_token, self.world_size, self.device = flops_per_token, world_size, device
+        self.attention_per_token = attention_per_token
         self.peak = peak_tflops(device)
         self.reset()
 
     def reset(self):
-        self.t0, self.tokens = time.perf_counter(), 0
+        self.t0, self.tokens, self.flops = time.perf_counter(), 0, 0.0
 
-    def add(self, tokens: int):
+    def add(self, tokens: int, attention_kept: float = 1.0):
         self.tokens += tokens
+        self.flops += tokens * (self.flops_per_token - self.attention_per_token * (1.0 - attention_kept))
 
     def report(self) -> dict:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - self.t0
         tps = self.tokens / dt
-        tflops = tps * self.flops_per_token / self.world_size / 1e12
+        tflops = self.flops / dt / self.world_size / 1e12
         out = {"tokens_per_s": tps, "tokens_per_s_per_gpu": tps / self.world_size, "tflops_per_gpu": tflops,
                "step_time_s": dt}
         if self.peak:

@@ -36,7 +36,7 @@ from meshtron.distributed.mesh import batch_slice, degree, init_mesh, world_size
 from meshtron.distributed.pipeline_parallel import Pipeline
 from meshtron.distributed.reduce import sum_over
 from meshtron.distributed.tied import materialize
-from meshtron.models.common.documents import document_inputs
+from meshtron.models.common.documents import document_inputs, kept_pairs
 from meshtron.models.common.moe import RoutingStats
 from meshtron.train import checkpoint, hf, planned
 from meshtron.train.layout import build_model, pipeline_io, resolve_layout
@@ -119,8 +119,13 @@ class Trainer:
     def _build_loaders(self, tokens, eval_tokens) -> tuple:
         """This rank's slice of every global batch, for training and evaluation."""
         tr, index, count = self.config.training, *batch_slice(self.mesh)
+        note = ""
+        if tr.global_batch is None:   # the default moves with the layout: --tp 2 on 2 ranks halves it
+            per = f" x {self.microbatches} micro-batches" if self.microbatches > 1 else ""
+            note = (f" (the default: --micro-batch {tr.micro_batch} x {count} data-parallel rank"
+                    f"{'s' if count > 1 else ''} (dp x ep){per}, so the other axes' degrees change it)")
         loader = BatchLoader(tokens, tr.seq_len, self.global_batch, index, count, tr.micro_batch, seed=tr.seed,
-                             shuffle=self.config.data.shuffle)
+                             shuffle=self.config.data.shuffle, batch_note=note)
         return loader, None if eval_tokens is None else BatchLoader(
             eval_tokens, tr.seq_len, self.global_batch, index, count, tr.micro_batch, seed=tr.seed)
 
@@ -270,17 +275,24 @@ class Trainer:
         if exit_after is not None and exit_after < 1:
             raise ConfigError(f"exit_after must be at least 1, not {exit_after}")
         mc, mesh = self.model_config, self.mesh
-        meter = Throughput(mc.flops_per_token(tr.seq_len), dist.get_world_size(), self.device)
+        flops = mc.flops_per_token(tr.seq_len)
+        meter = Throughput(flops, dist.get_world_size(), self.device, flops - mc.flops_per_token(0))
+        masked = (" | document mask on: attention FLOPs count the query-key pairs it keeps"
+                  if c.data.document_mask else "")
         self.log(f"meshtron | {self._model_name()} ({mc.num_params() / 1e6:.1f}M params) | mesh "
                  f"{dict(zip(mesh.mesh_dim_names, mesh.shape))} | global batch {self.global_batch} x {tr.seq_len} "
-                 f"tokens, {self.microbatches} micro-batches of {tr.micro_batch} | {self.loader.n_samples} samples")
+                 f"tokens, {self.microbatches} micro-batches of {tr.micro_batch} | {self.loader.n_samples} samples"
+                 + masked)
         losses, t_start = [], time.perf_counter()
         last = min(tr.steps, self.start + exit_after) if exit_after else tr.steps
         for step in range(self.start + 1, last + 1):
             if on_step is not None:
                 on_step(step)
-            loss, norm = self.step(*self.next_batch())
-            meter.add(self.global_batch * tr.seq_len)
+            x, y, inputs = self.next_batch()
+            loss, norm = self.step(x, y, inputs)
+            # this rank's samples stand for the global batch's: no collective for a log figure
+            meter.add(self.global_batch * tr.seq_len,
+                      kept_pairs(inputs["documents"]) if inputs and "documents" in inputs else 1.0)
             losses.append(loss)   # a device tensor: reading it every step would sync the GPU
             if step % tr.log_interval == 0 or step == tr.steps or step == self.start + 1:
                 self._report(step, float(losses[-1]), float(norm), meter.report(), time.perf_counter() - t_start)
@@ -338,9 +350,11 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         mem = peak_memory_gib(self.device)
         eta = elapsed / (step - self.start) * (tr.steps - step)
+        # a CPU run has ranks, not GPUs, and does GFLOP/s
+        per, flops = ("gpu", f"{m['tflops_per_gpu']:.2f} TFLOP/s") if self.device.type == "cuda" else \
+            ("rank", f"{m['tflops_per_gpu'] * 1e3:.2f} GFLOP/s")
         line = (f"step {step:>6}/{tr.steps} | loss {loss:.4f} | lr {lr:.2e} | grad norm {norm:.3f} | "
-                f"{m['tokens_per_s']:,.0f} tok/s ({m['tokens_per_s_per_gpu']:,.0f}/gpu) | "
-                f"{m['tflops_per_gpu']:.2f} TFLOP/s/gpu")
+                f"{m['tokens_per_s']:,.0f} tok/s ({m['tokens_per_s_per_gpu']:,.0f}/{per}) | {flops}/{per}")
         if "mfu" in m:
             line += f" | MFU {100 * m['mfu']:.1f}%"
         moe = {}

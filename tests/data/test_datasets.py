@@ -176,3 +176,7 @@ def test_text_through_a_tokenizer(tmp_path):
     tok = load_tokenizer(tok_dir)
     assert list(load_tokens(str(tmp_path / "t.txt"), 1000, tok_dir)) == tok.encode(TEXTS[0]) + [tok.eot]
     assert isinstance(open_data(None, 320), Tokens)
+    top = max(tok.encode(TEXTS[0]) + [tok.eot])       # a model smaller than the tokenizer: say which size fits
+    with pytest.raises(ValueError, match=f"vocabulary size {top}; --tokenizer {tok_dir} has {tok.vocab_size} tokens: "
+                                         f"pass --vocab-size {tok.vocab_size}$"):
+        load_tokens(str(tmp_path / "t.txt"), top, tok_dir)

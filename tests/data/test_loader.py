@@ -50,7 +50,7 @@ def test_loader_state_resumes_exactly_and_wraps_epochs():
     b = BatchLoader(tokens, seq_len=9, global_batch=4, seed=0)
     b.load_state_dict(a.state_dict())
     assert torch.equal(a.next()[0], b.next()[0])
-    with pytest.raises(ValueError, match="pass --data-rebatch"):
+    with pytest.raises(ValueError, match="pass --global-batch 4 to continue it, or --data-rebatch"):
         BatchLoader(tokens, seq_len=9, global_batch=8).load_state_dict(a.state_dict())
     c = BatchLoader(tokens, seq_len=9, global_batch=8)
     c.load_state_dict(a.state_dict(), rebatch_by_tokens=True)

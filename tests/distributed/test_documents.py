@@ -3,7 +3,9 @@ loss across a document's end, a packed batch trains exactly as its documents run
 one by one, unpacked and unpadded: the same loss and every gradient, in fp32, at
 one process and under dp2, tp2 + SP, pp2, cp2 (Ulysses) and ep2 (MoE); the
 boundaries come from the data (end-of-text ids, or a Megatron dataset's .idx)."""
+import contextlib
 import dataclasses
+import io
 import json
 
 import numpy as np
@@ -11,14 +13,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshtron import ParallelConfig
+from meshtron import ParallelConfig, models
 from meshtron.config import Config, ConfigError
 from meshtron.data import BatchLoader, IndexedDatasetWriter, Tokens
 from meshtron.data.sources import document_starts, open_data
 from meshtron.data.tokenizer import ByteTokenizer
 from meshtron.distributed.mesh import batch_slice
 from meshtron.models import GPT, gpt_config
-from meshtron.models.common.documents import block_mask, dense_mask, document_inputs, positions_in_documents
+from meshtron.models.common.documents import block_mask, dense_mask, document_inputs, kept_pairs, positions_in_documents
 from meshtron.models.common.moe import MoEConfig
 from meshtron.models.gpt import SPEC as GPT_SPEC
 from meshtron.models.llama import SPEC as LLAMA_SPEC
@@ -279,3 +281,34 @@ def one_process_losses(pools, tmp_path_factory):
 def test_recipe_losses_with_document_masks_equal_one_process(pools, tmp_path, one_process_losses, flags, world):
     many = _metrics_losses(pools, world, ARGS + flags, tmp_path / "m.jsonl")
     assert len(one_process_losses) == 6 and many == pytest.approx(one_process_losses, rel=1e-5)
+
+
+def test_kept_pairs_is_the_share_of_causal_pairs_the_mask_keeps():
+    docs = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [0, 0, 0, 0, 0, 0, 0, 0]])
+    causal = dense_mask(torch.zeros_like(docs), torch.zeros_like(docs)).sum()
+    assert kept_pairs(docs) == pytest.approx(float(dense_mask(docs, docs).sum() / causal))
+    assert kept_pairs(docs[1:]) == 1.0
+
+
+def _logged(rank, world, argv):
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        train(rank, world, argv)
+    return printed.getvalue()
+
+
+def test_the_log_counts_the_attention_the_mask_keeps_and_says_the_mask_is_on(pools, tmp_path):
+    # a masked run once logged causal attention's FLOPs (MFU 120.8% at cp=4, 64K)
+    cfg = models.get("llama-tiny")[1]
+    (tmp_path / "docs").mkdir()
+    for i in range(300):   # documents of ~20 bytes: a 64-token sample holds three or four
+        (tmp_path / "docs" / f"{i}.py").write_text(f"x = {i} * {i}\nprint(x)\n")
+    path = tmp_path / "m.jsonl"
+    out = pools.run(1, _logged, ARGS + ["--data", str(tmp_path / "docs"), "--metrics-file", str(path)])[0]
+    assert "| document mask on: attention FLOPs count the query-key pairs it keeps" in out.splitlines()[0], out
+    step = next(line for line in out.splitlines() if line.startswith("step "))
+    assert "/rank) | " in step and " GFLOP/s/rank | " in step, step    # the CPU has ranks, not GPUs
+    rows = [json.loads(line) for line in path.read_text().splitlines() if '"loss"' in line]
+    causal = cfg.flops_per_token(64) - cfg.flops_per_token(0)   # the attention term, causal
+    kept = [(r["tflops_per_gpu"] * 1e12 / r["tokens_per_s"] - cfg.flops_per_token(0)) / causal for r in rows]
+    assert all(0.1 < k < 0.6 for k in kept), kept             # three or four documents a sample keep about 1/3

@@ -4,11 +4,15 @@ under every TP layout, the same collectives as the DTensor styles, and a
 fraction of their host calls (what made small micro-batches, and so pipelines
 combined with TP, host-bound on the GPU)."""
 
+import os
+import warnings
+
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import meshtron
 from meshtron import ParallelConfig, models
 from meshtron.distributed.collectives import CollectiveCounter
 from meshtron.distributed.local_tensor_parallel import LocalColwise
@@ -17,7 +21,7 @@ from meshtron.models.llama.parallelize import tp_plan
 from meshtron.train.loss import loss_function
 from meshtron.train.step import forward_backward
 
-from harness import mesh
+from harness import mesh, train
 from parity import assert_parity, fb_kwargs, layout, perturbed_builder, pipelined, run_parity, tiny_batches
 
 SPEC, CFG = models.get("llama-tiny")
@@ -93,3 +97,20 @@ def test_local_blocks_move_the_same_bytes_with_a_fraction_of_the_host_calls(pool
 def test_local_colwise_refuses_other_modules():
     with pytest.raises(ValueError, match="nn.Linear only"):
         LocalColwise()._apply(torch.nn.Embedding(4, 4), None)
+
+
+def _warnings_from_meshtron(rank, world, argv):
+    """The deprecation warnings a recipe run raises from meshtron's own files (a torch API
+    that meshtron calls and torch means to remove), as 'file:line: message'."""
+    root = os.path.dirname(meshtron.__file__)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(rank, world, argv)
+    return [f"{w.filename}:{w.lineno}: {w.message}" for w in caught
+            if issubclass(w.category, (DeprecationWarning, FutureWarning)) and w.filename.startswith(root)]
+
+
+def test_a_tp2_sp_run_calls_no_deprecated_torch_api(pools):
+    argv = ["--model", "llama-tiny", "--tp", "2", "--sp", "--seq-len", "32", "--global-batch", "4",
+            "--steps", "2", "--log-interval", "1"]
+    assert pools.run(2, _warnings_from_meshtron, argv) == [[], []]

@@ -16,9 +16,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-import datetime
 import importlib
-import tempfile
 
 import torch.nn.functional as F
 from torch import nn
@@ -467,16 +465,11 @@ def test_torch_compile_fullgraph_and_checkpoint_llama_ops():
 
 
 # ----------------------------------------------------------------------------- DTensor (2 ranks, gloo)
-def _gloo_meshes(rank, world, store_path):
-    """A gloo group of `world` ranks and its meshes: tp alone, and 2-D (dp, tp) meshes
-    with either axis the real one."""
-    import torch.distributed as dist
+def _meshes():
+    """Meshes over the two ranks of a test pool (tests/harness.py): tp alone, and 2-D
+    (dp, tp) meshes with either axis the real one."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
     return (init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)),
             init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp")),
             init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp")))
@@ -522,85 +515,73 @@ def _impls():
     return ("torch", "triton") if _common.interpreting() else ("torch",)
 
 
-def _dtensor_worker(rank, world, store_path):
-    import torch.distributed as dist
+def _dtensor_worker(rank, world):
     from torch.distributed.tensor import Replicate, Shard
 
-    tp, dp2, tp2 = _gloo_meshes(rank, world, store_path)
-    try:
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(2, 6, 5, generator=g)       # (batch, seq, hidden); hidden 5 shards 3/2
-        w, b, dy = torch.randn(5, generator=g), torch.randn(5, generator=g), torch.randn(2, 6, 5, generator=g)
-        R, S0, S1, S2 = Replicate(), Shard(0), Shard(1), Shard(2)
-        ln_ref = _reference(lambda x, w, b: F.layer_norm(x, (5,), w, b, 1e-5), dy, x, w, b)
-        bg_ref = _reference(lambda x, b: F.gelu(x + b, approximate="tanh"), dy, x, b)
-        for impl in _impls():
-            def ln(x, w, b, impl=impl):
-                return layer_norm(x, w, b, 1e-5, impl=impl)
+    tp, dp2, tp2 = _meshes()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 6, 5, generator=g)       # (batch, seq, hidden); hidden 5 shards 3/2
+    w, b, dy = torch.randn(5, generator=g), torch.randn(5, generator=g), torch.randn(2, 6, 5, generator=g)
+    R, S0, S1, S2 = Replicate(), Shard(0), Shard(1), Shard(2)
+    ln_ref = _reference(lambda x, w, b: F.layer_norm(x, (5,), w, b, 1e-5), dy, x, w, b)
+    bg_ref = _reference(lambda x, b: F.gelu(x + b, approximate="tanh"), dy, x, b)
+    for impl in _impls():
+        def ln(x, w, b, impl=impl):
+            return layer_norm(x, w, b, 1e-5, impl=impl)
 
-            def bg(x, b, impl=impl):
-                return bias_gelu(x, b, impl=impl)
-            # sequence parallel: x Shard(seq), weight and bias Replicate -> Partial grads
-            _close(_placed(ln, x, dy, tp, [S1], [(w, tp, [R]), (b, tp, [R])]), ln_ref)
-            # 2-D mesh, batch on dp and sequence on tp; weights on the 2-D mesh and on the tp
-            # submesh (whose gradient then holds no dp sum: FSDP/DDP do that one)
-            _close(_placed(ln, x, dy, dp2, [S0, S1], [(w, dp2, [R, R]), (b, dp2, [R, R])]), ln_ref)
-            _close(_placed(ln, x, dy, tp2, [S0, S1], [(w, tp2, [R, R]), (b, tp2["tp"], [R])]), ln_ref)
-            # column parallel: x Shard(-1) (uneven 3/2), bias Shard(0)
-            _close(_placed(bg, x, dy, tp, [S2], [(b, tp, [S0])]), bg_ref)
-            # bias replicated while x is column sharded: the bias is sliced locally
-            _close(_placed(bg, x, dy, tp, [S2], [(b, tp, [R])]), bg_ref)
-            # sequence parallel bias-GeLU: bias grad is a partial sum over tp
-            _close(_placed(bg, x, dy, tp, [S1], [(b, tp, [R])]), bg_ref)
-        _raises(_placed, lambda x, w: layer_norm(x, w, None), x, dy, tp, [S2], [(w, tp, [R])])   # sharded hidden dim
-    finally:
-        dist.destroy_process_group()
+        def bg(x, b, impl=impl):
+            return bias_gelu(x, b, impl=impl)
+        # sequence parallel: x Shard(seq), weight and bias Replicate -> Partial grads
+        _close(_placed(ln, x, dy, tp, [S1], [(w, tp, [R]), (b, tp, [R])]), ln_ref)
+        # 2-D mesh, batch on dp and sequence on tp; weights on the 2-D mesh and on the tp
+        # submesh (whose gradient then holds no dp sum: FSDP/DDP do that one)
+        _close(_placed(ln, x, dy, dp2, [S0, S1], [(w, dp2, [R, R]), (b, dp2, [R, R])]), ln_ref)
+        _close(_placed(ln, x, dy, tp2, [S0, S1], [(w, tp2, [R, R]), (b, tp2["tp"], [R])]), ln_ref)
+        # column parallel: x Shard(-1) (uneven 3/2), bias Shard(0)
+        _close(_placed(bg, x, dy, tp, [S2], [(b, tp, [S0])]), bg_ref)
+        # bias replicated while x is column sharded: the bias is sliced locally
+        _close(_placed(bg, x, dy, tp, [S2], [(b, tp, [R])]), bg_ref)
+        # sequence parallel bias-GeLU: bias grad is a partial sum over tp
+        _close(_placed(bg, x, dy, tp, [S1], [(b, tp, [R])]), bg_ref)
+    _raises(_placed, lambda x, w: layer_norm(x, w, None), x, dy, tp, [S2], [(w, tp, [R])])   # sharded hidden dim
 
 
-def test_dtensor_two_ranks_gloo():
-    import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_dtensor_worker, args=(2, os.path.join(d, "store")), nprocs=2, join=True)
+def test_dtensor_two_ranks_gloo(pools):
+    pools.run(2, _dtensor_worker)
 
 
-def _dtensor_llama_worker(rank, world, store_path):
-    import torch.distributed as dist
+def _dtensor_llama_worker(rank, world):
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    tp, dp2, tp2 = _gloo_meshes(rank, world, store_path)
-    try:
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(2, 6, 5, generator=g)       # (batch, seq, hidden); hidden 5 shards 3/2
-        u, dy = torch.randn(2, 6, 5, generator=g), torch.randn(2, 6, 5, generator=g)
-        w = torch.randn(5, generator=g)
-        R, S0, S1, S2 = Replicate(), Shard(0), Shard(1), Shard(2)
-        rms_ref = _reference(lambda x, w: F.rms_norm(x, (5,), w, 1e-6), dy, x, w)
-        rms_nw_ref = _reference(lambda x: F.rms_norm(x, (5,), None, 1e-6), dy, x)
-        sw_ref = _reference(lambda g, u: F.silu(g) * u, dy, x, u)
-        for impl in _impls():
-            def rms(x, w=None, impl=impl):
-                return rms_norm(x, w, 1e-6, impl=impl)
+    tp, dp2, tp2 = _meshes()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 6, 5, generator=g)       # (batch, seq, hidden); hidden 5 shards 3/2
+    u, dy = torch.randn(2, 6, 5, generator=g), torch.randn(2, 6, 5, generator=g)
+    w = torch.randn(5, generator=g)
+    R, S0, S1, S2 = Replicate(), Shard(0), Shard(1), Shard(2)
+    rms_ref = _reference(lambda x, w: F.rms_norm(x, (5,), w, 1e-6), dy, x, w)
+    rms_nw_ref = _reference(lambda x: F.rms_norm(x, (5,), None, 1e-6), dy, x)
+    sw_ref = _reference(lambda g, u: F.silu(g) * u, dy, x, u)
+    for impl in _impls():
+        def rms(x, w=None, impl=impl):
+            return rms_norm(x, w, 1e-6, impl=impl)
 
-            def sw(g, u, impl=impl):
-                return swiglu(g, u, impl=impl)
-            # sequence parallel: x Shard(seq), weight Replicate -> Partial grad over tp
-            _close(_placed(rms, x, dy, tp, [S1], [(w, tp, [R])]), rms_ref)
-            _close(_placed(rms, x, dy, tp, [S1], []), rms_nw_ref)
-            # 2-D meshes, batch on dp and sequence on tp; weight on the 2-D mesh and on the tp submesh
-            _close(_placed(rms, x, dy, dp2, [S0, S1], [(w, dp2, [R, R])]), rms_ref)
-            _close(_placed(rms, x, dy, tp2, [S0, S1], [(w, tp2["tp"], [R])]), rms_ref)
-            # SwiGLU: gate and up alike, column parallel (uneven 3/2), sequence sharded, replicated, 2-D
-            for mesh, pl in ((tp, [S2]), (tp, [S1]), (tp, [R]), (dp2, [S0, S2]), (tp2, [S1, S2])):
-                _close(_placed(sw, x, dy, mesh, pl, [(u, mesh, pl)]), sw_ref)
-        assert "RMSNorm" in _raises(rms_norm, distribute_tensor(x, tp, [S2]), distribute_tensor(w, tp, [R]))
-        assert "placements" in _raises(swiglu, distribute_tensor(x, tp, [S1]), distribute_tensor(u, tp, [S2]))
-        assert "both" in _raises(swiglu, distribute_tensor(x, tp, [S2]), u)
-        assert "both" in _raises(swiglu, x, distribute_tensor(u, tp, [S2]))
-    finally:
-        dist.destroy_process_group()
+        def sw(g, u, impl=impl):
+            return swiglu(g, u, impl=impl)
+        # sequence parallel: x Shard(seq), weight Replicate -> Partial grad over tp
+        _close(_placed(rms, x, dy, tp, [S1], [(w, tp, [R])]), rms_ref)
+        _close(_placed(rms, x, dy, tp, [S1], []), rms_nw_ref)
+        # 2-D meshes, batch on dp and sequence on tp; weight on the 2-D mesh and on the tp submesh
+        _close(_placed(rms, x, dy, dp2, [S0, S1], [(w, dp2, [R, R])]), rms_ref)
+        _close(_placed(rms, x, dy, tp2, [S0, S1], [(w, tp2["tp"], [R])]), rms_ref)
+        # SwiGLU: gate and up alike, column parallel (uneven 3/2), sequence sharded, replicated, 2-D
+        for mesh, pl in ((tp, [S2]), (tp, [S1]), (tp, [R]), (dp2, [S0, S2]), (tp2, [S1, S2])):
+            _close(_placed(sw, x, dy, mesh, pl, [(u, mesh, pl)]), sw_ref)
+    assert "RMSNorm" in _raises(rms_norm, distribute_tensor(x, tp, [S2]), distribute_tensor(w, tp, [R]))
+    assert "placements" in _raises(swiglu, distribute_tensor(x, tp, [S1]), distribute_tensor(u, tp, [S2]))
+    assert "both" in _raises(swiglu, distribute_tensor(x, tp, [S2]), u)
+    assert "both" in _raises(swiglu, x, distribute_tensor(u, tp, [S2]))
 
 
-def test_dtensor_llama_ops_two_ranks_gloo():
-    import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_dtensor_llama_worker, args=(2, os.path.join(d, "store")), nprocs=2, join=True)
+def test_dtensor_llama_ops_two_ranks_gloo(pools):
+    pools.run(2, _dtensor_llama_worker)

@@ -48,6 +48,17 @@ def document_inputs(documents: torch.Tensor, y: torch.Tensor, *, mask: bool, pos
     return y, inputs
 
 
+def kept_pairs(documents: torch.Tensor) -> float:
+    """The share of the causal mask's query-key pairs that the document mask keeps in a
+    batch of (B, T) document indices: sum of l(l+1) over its documents of l tokens, over
+    B * T(T+1). The log counts attention FLOPs in this share (a run of many short
+    documents computes a fraction of causal attention: FlexAttention skips the rest)."""
+    b, t = documents.shape
+    rows = documents.to(torch.int64) + torch.arange(b, device=documents.device).unsqueeze(1) * (t + 1)
+    lengths = torch.unique_consecutive(rows.flatten(), return_counts=True)[1].to(torch.float64)
+    return float((lengths * (lengths + 1)).sum() / (b * t * (t + 1)))
+
+
 def dense_mask(q_docs: torch.Tensor, k_docs: torch.Tensor, q_pos: torch.Tensor | None = None,
                k_pos: torch.Tensor | None = None) -> torch.Tensor:
     """(B, 1, Tq, Tk): True where a query sees a key, causally within its document.
