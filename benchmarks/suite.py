@@ -141,6 +141,13 @@ SUITES = {
               mt("llama-8B dp4 ZeRO-3", 4, "fsdp4_zero3_compile",
                  ["--model", "llama-8B", "--seq-len", "2048", "--micro-batch", "2", "--global-batch", "8"],
                  "torchtitan llama-8B fsdp4")],
+    # the planner's first choice for llama-1B at global batch 64 on four GPUs against the fastest layout measured
+    # before it (docs/planner.md)
+    "planner-choice": [mt("dp4 ZeRO-1, micro-batch 4 (the planner's first choice)", 4, "fsdp4_compile",
+                          ["--model", "llama-1B", "--seq-len", "2048", "--micro-batch", "4", "--global-batch", "64"]),
+                       mt("dp4 ZeRO-3, micro-batch 16", 4, "fsdp4_zero3_compile",
+                          ["--model", "llama-1B", "--seq-len", "2048", "--micro-batch", "16", "--global-batch", "64"],
+                          "dp4 ZeRO-1, micro-batch 4 (the planner's first choice)")],
     # pipelines on four GPUs, llama-1B, global batch 32: pp2 x tp2 against dp2 x tp2 at the same micro-batch (4,
     # compiled), at each layout's natural micro-batch (8 and 16), and the schedules' bubbles against dp4 (eager,
     # micro-batch 4; each pipeline row records its predicted and measured bubble)
