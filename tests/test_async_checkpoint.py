@@ -155,14 +155,6 @@ def test_saves_never_overlap_retention_spares_the_one_written_and_the_lock_waits
                for line in lines) == 3
 
 
-def test_checkpoint_async_needs_a_checkpoint_directory():
-    out = subprocess.run([sys.executable, RECIPE, *TINY, "--steps", "1", "--micro-batch", "8", *ASYNC],
-                         env=_env(), capture_output=True, text=True, timeout=300)
-    assert (out.returncode, out.stdout) == (1, ""), out.stderr
-    assert out.stderr.strip().splitlines() == ["error: --checkpoint-async writes the checkpoints of --checkpoint-dir "
-                                               "in the background: give one"]
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads worker pids from /proc")
 def test_a_job_killed_while_a_save_is_written_resumes_from_the_previous_one_exactly(pools, tmp_path):
     # the write of step 6 is held (MESHTRON_HOLD_SAVE_AT_STEP) once every rank's shards are on disk,
