@@ -21,6 +21,12 @@ reported. Printed: each step's time, each save's hold, then per mode the median
 step without a save in flight, with one in flight, the median hold, and the hold
 ratio sync / async; --out DIR appends the same as one JSON line per mode to
 DIR/checkpoint.jsonl.
+
+After the async mode's timing, a check: one more save, one more step while it is
+written (changing the weights and AdamW state in place), then the checkpoint is
+loaded back and every tensor of every rank must equal, bit for bit, the state at
+the step it was saved (on a GPU this covers the copies into pinned memory that the
+loop does not wait for). A mismatch fails the script.
 """
 from __future__ import annotations
 
@@ -38,7 +44,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from torch.distributed.tensor import DTensor  # noqa: E402
+
 from meshtron import Config, Trainer, models  # noqa: E402
+from meshtron.train import checkpoint  # noqa: E402
 from meshtron.train.lifetime import init_process_group  # noqa: E402
 
 
@@ -84,6 +93,7 @@ def measure(mode: str, recipe_flags: list[str], args) -> dict:
     if trainer.saver is not None:
         trainer.saver.wait()
     last_wait_s = time.perf_counter() - t0
+    check = check_async(trainer, total + 1) if trainer.saver is not None else None
     trainer.close()
     step_s, holds = worst(step_s, device), worst(holds, device)
     # a step is in flight when any rank's writer was running as it started
@@ -96,7 +106,7 @@ def measure(mode: str, recipe_flags: list[str], args) -> dict:
                   hold_ms=[h * 1e3 for h in holds], last_wait_ms=last_wait_s * 1e3,
                   step_ms_idle=statistics.median(idle) * 1e3 if idle else None,
                   step_ms_in_flight=statistics.median(busy) * 1e3 if busy else None,
-                  hold_ms_median=statistics.median(holds) * 1e3 if holds else None,
+                  hold_ms_median=statistics.median(holds) * 1e3 if holds else None, check=check,
                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   torch=torch.__version__)
     trainer = None
@@ -109,6 +119,47 @@ def measure(mode: str, recipe_flags: list[str], args) -> dict:
     return result
 
 
+def local_state(trainer, step: int) -> dict[str, torch.Tensor]:
+    """This rank's tensors of what a checkpoint of `step` holds, copied to the CPU."""
+    out = {}
+
+    def walk(prefix, obj):
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(f"{prefix}.{k}", v)
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(f"{prefix}.{i}", v)
+        elif isinstance(obj, torch.Tensor):
+            out[prefix] = (obj.to_local() if isinstance(obj, DTensor) else obj).detach().to("cpu", copy=True)
+    walk("", checkpoint.saved_state(trainer.parts, trainer.optimizer, trainer.scheduler, trainer.loader, step,
+                                    trainer._param_names()))
+    return out
+
+
+def check_async(trainer, step: int) -> str:
+    """Save `step` in the background, train one more step while it is written, load it
+    back: every tensor must be the state at `step`. Raises on a mismatch."""
+    sync(trainer.device)
+    before = local_state(trainer, step)
+    trainer.save_checkpoint(step)
+    trainer.step(*trainer.next_batch())
+    sync(trainer.device)
+    moved = sum(not torch.equal(before[k], v) for k, v in local_state(trainer, step).items())
+    path = trainer.saver.wait()
+    checkpoint.load(path, trainer.parts, trainer.optimizer, trainer.scheduler, trainer.loader,
+                    config=trainer.model_config, names=trainer._param_names())
+    bad = [k for k, v in local_state(trainer, step).items() if not torch.equal(before[k], v)]
+    counts = worst([float(len(bad)), float(-moved), float(-len(before))], trainer.device)
+    bad_any, moved_min, n_min = int(counts[0]), int(-counts[1]), int(-counts[2])
+    if bad_any or not moved_min:
+        raise RuntimeError(f"check failed: {bad_any} tensors of the background save of step {step} differ from "
+                           f"the state at that step ({bad[:3]} on rank {dist.get_rank()}); {moved_min} were "
+                           "changed by the step after it")
+    return (f"the background save of step {step} holds that step's state bit for bit ({n_min}+ tensors a rank, "
+            f"{moved_min}+ changed by the step trained while it was written)")
+
+
 def report(results: list[dict], out: str | None) -> None:
     for r in results:
         print(f"{r['mode']}: steps (ms) " + " ".join(f"{s:.0f}{'*' if w else ''}"
@@ -116,6 +167,8 @@ def report(results: list[dict], out: str | None) -> None:
               + "   (* a background write in flight)")
         print(f"{r['mode']}: hold per save (ms) " + " ".join(f"{h:.0f}" for h in r["hold_ms"])
               + (f"; waited {r['last_wait_ms']:.0f} ms for the last write" if r["mode"] == "async" else ""))
+        if r.get("check"):
+            print(f"{r['mode']}: check: {r['check']}")
     fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     print(f"{'mode':<6} {'step ms, no save in flight':>27} {'step ms, save in flight':>24} {'hold ms per save':>17}")
     for r in results:
