@@ -88,6 +88,18 @@ def test_an_async_save_equals_a_blocking_one_and_resumes_exactly(pools, tmp_path
     assert first + second == straight
 
 
+@pytest.mark.parametrize("layout", ["pp2", "tp2-sp"])
+def test_async_saves_resume_exactly_under_other_layouts(pools, tmp_path, layout):
+    # a pipeline rank saves its stages (the tied weight's copy under its first name), TP its shards
+    straight = run(pools, layout)
+    ck = ["--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3", *ASYNC]
+    first = run(pools, layout, *ck, exit_after=4)       # step 3's save, step 4 trained while it may be written
+    second = run(pools, layout, *ck, "--resume", "auto")
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == [
+        "step-00000003", "step-00000006"]
+    assert first == straight[:4] and second == straight[3:]
+
+
 def _slow_writes(rank, world, argv):
     """Train with the background writer slowed down and watched: the write of step N
     waits until the loop has finished step N + 1 (where the run goes that far: the loop

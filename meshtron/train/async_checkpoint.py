@@ -46,6 +46,7 @@ class BackgroundSaver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._path: str | None = None         # the save in flight, or finished and not yet waited for
+        self.started = 0                      # saves started by this saver
 
     @property
     def in_flight(self) -> str | None:
@@ -62,7 +63,7 @@ class BackgroundSaver:
         self.wait()
         final, _ = checkpoint.begin_save(root, step)
         staged, copied = self._stage(checkpoint.saved_state(parts, optimizer, scheduler, loader, step, names))
-        self._path = final
+        self._path, self.started = final, self.started + 1
         self._thread = threading.Thread(target=self._write, name=f"meshtron-save-{step}", daemon=True,
                                         args=(staged, copied, root, step, keep, record, before_publish))
         self._thread.start()

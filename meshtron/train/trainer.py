@@ -346,7 +346,7 @@ class Trainer:
     def _finish_saves(self) -> str:
         """Wait for the background save in flight (--checkpoint-async); what the closing
         line says of it ("" without --checkpoint-async)."""
-        if self.saver is None:
+        if self.saver is None or not self.saver.started:
             return ""
         writing, t0 = self.saver.in_flight, time.perf_counter()
         self._saved(self.saver.wait())
