@@ -178,6 +178,8 @@ class CheckpointConfig:
     """steps between checkpoints"""
     keep_checkpoints: int = 3
     """keep the newest K checkpoints"""
+    checkpoint_async: bool = False
+    """write each checkpoint in the background: the loop holds only while the state is copied to host memory"""
     resume: str = "none"
     """none, auto (the newest good checkpoint in --checkpoint-dir) or a checkpoint path"""
     data_rebatch: bool = False
@@ -281,6 +283,9 @@ class Config:
                 check_available()
             except ImportError as e:
                 raise ConfigError(str(e)) from None
+        if c.checkpoint_async and not c.checkpoint_dir:
+            raise ConfigError("--checkpoint-async writes the checkpoints of --checkpoint-dir in the background: "
+                              "give one")
         if c.resume == "auto" and not c.checkpoint_dir:
             raise ConfigError("--resume auto looks for checkpoints in --checkpoint-dir: give one")
         from meshtron.distributed.mesh import resolve_degrees

@@ -327,13 +327,14 @@ PROGRAMS = {  # how a command line names a program -> how to ask it for its help
     "benchmarks/bench_kernels.py": "benchmarks/bench_kernels.py",
     "benchmarks/bench_async_tp.py": "benchmarks/bench_async_tp.py",
     "benchmarks/bench_fused_loss.py": "benchmarks/bench_fused_loss.py",
+    "benchmarks/bench_checkpoint.py": "benchmarks/bench_checkpoint.py",
     "benchmarks/moe_balance.py": "benchmarks/moe_balance.py",
     "benchmarks/suite.py": "benchmarks/suite.py",
     "benchmarks/compare_grads.py": "docstring",    # no --help: its flags are in its docstring
     "torchrun": "torchrun",   # and meshtron-run, which takes torchrun's flags
 }
 PASSES_TO_TRAINER = ("benchmarks/bench_train.py", "benchmarks/bench_plan.py", "benchmarks/compare_grads.py",
-                     "benchmarks/moe_balance.py")
+                     "benchmarks/moe_balance.py", "benchmarks/bench_checkpoint.py")
 
 
 def help_text(program: str) -> str:

@@ -49,6 +49,8 @@ CASES = {  # (world, argv, message) -- issue 11, points 4, 5, 7, 8
     "steps -5": (1, ["--steps", "-5"], "--steps must be at least 1, not -5"),
     "resume auto without dir": (1, ["--resume", "auto"], "--resume auto looks for checkpoints in --checkpoint-dir"),
     "keep 0": (1, ["--keep-checkpoints", "0"], "--keep-checkpoints must be at least 1, not 0"),
+    "async save without dir": (2, ["--checkpoint-async"], "--checkpoint-async writes the checkpoints of "
+                                                          "--checkpoint-dir in the background: give one"),
     "seq-len 0": (1, ["--seq-len", "0"], "--seq-len must be at least 1, not 0"),
     "micro-batch 0": (1, ["--micro-batch", "0"], "--micro-batch must be at least 1, not 0"),
     "log-interval 0": (1, ["--log-interval", "0"], "--log-interval must be at least 1, not 0"),

@@ -123,7 +123,21 @@ def save(root: str, step: int, parts, optimizer, scheduler=None, loader=None, *,
     `tokenizer`: the one its text data was read with ("bytes", a tokenizer.json
     directory; None for token files, whose tokenizer is not known). Of the
     older checkpoints, only those of this model config count towards `keep`, and only
-    those are removed."""
+    those are removed. meshtron/train/async_checkpoint.py writes the same files from a
+    background thread."""
+    final, tmp = begin_save(root, step)
+    sd = saved_state(parts, optimizer, scheduler, loader, step, names)
+    dcp.save(sd, checkpoint_id=tmp)
+    _barrier()                                   # every rank's shards are on disk
+    if _rank() == 0:
+        publish(root, step, keep, config=config, layout=layout, model=model, preset=preset, tokenizer=tokenizer)
+    _barrier()
+    return final
+
+
+def begin_save(root: str, step: int) -> tuple[str, str]:
+    """Every rank: refuse an existing step-<step>; rank 0 makes an empty .tmp-step-<step>
+    (clearing what a save that died there left). Returns (final path, temporary path)."""
     final = os.path.join(root, f"step-{step:08d}")
     tmp = os.path.join(root, f".tmp-step-{step:08d}")
     if os.path.exists(final):
@@ -133,26 +147,37 @@ def save(root: str, step: int, parts, optimizer, scheduler=None, loader=None, *,
         shutil.rmtree(tmp, ignore_errors=True)   # a save that died earlier
         os.makedirs(tmp)
     _barrier()
+    return final, tmp
+
+
+def saved_state(parts, optimizer, scheduler, loader, step: int, names: dict[int, str] | None = None) -> dict:
+    """What this rank writes into a checkpoint (references to the live tensors, not copies)."""
     sd, _ = _training_state(parts, optimizer, scheduler, loader, step, names)
     sd[_rng_key(_rank())] = _rng_state()        # RNG differs per rank (e.g. tp-sharded dropout)
-    dcp.save(sd, checkpoint_id=tmp)
-    _barrier()                                   # every rank's shards are on disk
-    if _rank() == 0:
-        files = {os.path.basename(f): {"size": os.path.getsize(f), "crc32": _crc32(f)}
-                 for f in sorted(glob.glob(os.path.join(tmp, "*"))) + sorted(glob.glob(os.path.join(tmp, ".metadata")))}
-        meta = {"step": step, "model": model, "preset": preset, "tokenizer": tokenizer, "config": _jsonable(config),
-                "layout": _jsonable(layout), "files": files}
-        with open(os.path.join(tmp, "meshtron.json"), "w") as f:
-            json.dump(meta, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, final)                    # atomic: the checkpoint exists whole or not at all
-        ours = [c for c in list_checkpoints(root) if _same_model(c, config)]
-        for old in ours[:-keep]:   # renamed first: a killed prune leaves no partial step-N
-            doomed = os.path.join(root, ".tmp-pruned-" + os.path.basename(old))
-            os.rename(old, doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
-    _barrier()
+    return sd
+
+
+def publish(root: str, step: int, keep: int, *, config=None, layout=None, model: str | None = None,
+            preset: str | None = None, tokenizer: str | None = None) -> str:
+    """Rank 0, once every rank's shards of .tmp-step-<step> are on disk: record the
+    files (sizes, CRCs) in meshtron.json, rename the directory to step-<step>, then
+    remove the oldest checkpoints of this model config beyond `keep`. Returns the path."""
+    final = os.path.join(root, f"step-{step:08d}")
+    tmp = os.path.join(root, f".tmp-step-{step:08d}")
+    files = {os.path.basename(f): {"size": os.path.getsize(f), "crc32": _crc32(f)}
+             for f in sorted(glob.glob(os.path.join(tmp, "*"))) + sorted(glob.glob(os.path.join(tmp, ".metadata")))}
+    meta = {"step": step, "model": model, "preset": preset, "tokenizer": tokenizer, "config": _jsonable(config),
+            "layout": _jsonable(layout), "files": files}
+    with open(os.path.join(tmp, "meshtron.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, final)                    # atomic: the checkpoint exists whole or not at all
+    ours = [c for c in list_checkpoints(root) if _same_model(c, config)]
+    for old in ours[:-keep]:   # renamed first: a killed prune leaves no partial step-N
+        doomed = os.path.join(root, ".tmp-pruned-" + os.path.basename(old))
+        os.rename(old, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
     return final
 
 

@@ -10,12 +10,16 @@
 
 Test hooks (environment, not flags): MESHTRON_EXIT_AFTER=N stops after N steps
 of this run (the schedule still spans --steps); MESHTRON_CRASH_AT_STEP=N kills
-rank 1 at step N on a torchrun job's first attempt (fault-recovery tests).
+rank 1 at step N on a torchrun job's first attempt (fault-recovery tests);
+MESHTRON_HOLD_SAVE_AT_STEP=N holds the background save of step N (--checkpoint-async)
+forever once its shards are written, before it is renamed into place, after rank 0
+prints `holding the save of step N` (a kill during the write, deterministically).
 """
 from __future__ import annotations
 
 import os
 import sys
+import threading
 
 import torch.distributed as dist
 
@@ -46,6 +50,20 @@ def _crash_hook(rank: int):
     return hook
 
 
+def _hold_hook(rank: int):
+    """MESHTRON_HOLD_SAVE_AT_STEP: the background writer of that step never finishes."""
+    at = _env_int("MESHTRON_HOLD_SAVE_AT_STEP")
+    if at is None:
+        return None
+
+    def hook(step: int) -> None:
+        if step == at:
+            if rank == 0:
+                print(f"holding the save of step {step}", flush=True)
+            threading.Event().wait()   # never set: until the job is killed
+    return hook
+
+
 def main(argv=None, *, description: str | None = None, exit_after: int | None = None) -> list[float]:
     """Parse, build, train; returns the losses. Used by recipes/train.py and tests."""
     config, args = Config.parse(argv, description, models.PRESETS)
@@ -73,7 +91,8 @@ def main(argv=None, *, description: str | None = None, exit_after: int | None = 
             exit_after = _env_int("MESHTRON_EXIT_AFTER")
         trainer = Trainer(config)
         try:
-            losses = trainer.train(exit_after=exit_after, on_step=_crash_hook(dist.get_rank()))
+            losses = trainer.train(exit_after=exit_after, on_step=_crash_hook(dist.get_rank()),
+                                   before_publish=_hold_hook(dist.get_rank()))
         finally:
             trainer.close()
     except BaseException as e:

@@ -39,6 +39,7 @@ from meshtron.distributed.tied import materialize
 from meshtron.models.common.documents import document_inputs, kept_pairs
 from meshtron.models.common.moe import RoutingStats
 from meshtron.train import checkpoint, hf, planned
+from meshtron.train.async_checkpoint import BackgroundSaver
 from meshtron.train.layout import build_model, pipeline_io, resolve_layout
 from meshtron.train.lifetime import DirectoryLock, describe
 from meshtron.train.loss import IGNORE_INDEX, forward_kwargs
@@ -51,13 +52,15 @@ class Trainer:
     """Everything a run needs, built once from a Config: `parts` (the model, or this
     rank's pipeline stages), `optimizer`, `scheduler`, `loader`, and `step`/`train`.
     Rank 0 holds --checkpoint-dir's lock from set-up until `close` (which `train`
-    calls at its end); a set-up that fails releases it."""
+    calls at its end), after any background save (--checkpoint-async) has finished; a
+    set-up that fails releases it."""
 
     def __init__(self, config: Config, *, verbose: bool = True):
         self.config = config
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.lock: DirectoryLock | None = None
         self.run_log: RunLog | None = None
+        self.saver: BackgroundSaver | None = None
         try:
             self._set_up(verbose)
         except BaseException:
@@ -65,7 +68,14 @@ class Trainer:
             raise
 
     def close(self) -> None:
-        """Release the checkpoint directory and close the run's logs; safe to repeat."""
+        """Wait for a background save, release the checkpoint directory and close the
+        run's logs; safe to repeat."""
+        if self.saver is not None:
+            writing = self.saver.in_flight
+            try:
+                self._saved(self.saver.wait())
+            except Exception as e:  # noqa: BLE001 - closing after another error: say it, release the lock
+                self.log(f"the background save of {writing} failed: {e}")
         if self.run_log is not None:
             self.run_log.close()
         if self.lock is not None:
@@ -96,6 +106,8 @@ class Trainer:
             self.loader, self.eval_loader = self._build_loaders(*data)
             self._import_weights()
         self.loss_fn = layout_loss(self.mesh, c.parallel, self.device, self.parts)
+        if c.checkpoint.checkpoint_async and c.checkpoint.checkpoint_dir:
+            self.saver = BackgroundSaver()   # its own process group: made here, on every rank
         self.moe_stats = None   # the last step's routing statistics (mixture-of-experts models)
         if self.pipeline is not None:
             self.pipeline.build_schedule(self.loss_fn, pipeline_io(self.model_config, c, self.mesh),
@@ -268,9 +280,33 @@ class Trainer:
     def log(self, line: str) -> None:
         self.run_log.print(line)
 
-    def train(self, exit_after: int | None = None, on_step=None) -> list[float]:
+    def save_checkpoint(self, step: int, before_publish=None) -> float:
+        """Save the state after `step` into --checkpoint-dir; returns the seconds the loop
+        was held. With --checkpoint-async it is copied to host memory and written in the
+        background (`before_publish`: BackgroundSaver.save's), after the previous save
+        has finished."""
+        ck, t0 = self.config.checkpoint, time.perf_counter()
+        args = (ck.checkpoint_dir, step, self.parts, self.optimizer, self.scheduler, self.loader)
+        kw = dict(config=self.model_config, layout=self.config, keep=ck.keep_checkpoints, names=self._param_names(),
+                  model=self.spec.name, preset=self._model_name(), tokenizer=self._tokenizer())
+        if self.saver is None:
+            self._saved(checkpoint.save(*args, **kw))
+            return time.perf_counter() - t0
+        self._saved(self.saver.wait())
+        path = self.saver.save(*args, before_publish=before_publish, **kw)
+        held = time.perf_counter() - t0
+        self.log(f"saving checkpoint {path} in the background (the loop held {held:.2f} s)")
+        return held
+
+    def _saved(self, path: str | None) -> None:
+        if path is not None:
+            self.log(f"saved checkpoint {path}")
+
+    def train(self, exit_after: int | None = None, on_step=None, before_publish=None) -> list[float]:
         """Train to --steps (or `exit_after` steps of this run); returns the losses.
-        `on_step(step)`, if given, runs before each step (the command line's test hooks)."""
+        `on_step(step)`, if given, runs before each step, `before_publish(step)` in the
+        background writer before a save is renamed into place (the command line's test
+        hooks)."""
         c, tr, ck = self.config, self.config.training, self.config.checkpoint
         if exit_after is not None and exit_after < 1:
             raise ConfigError(f"exit_after must be at least 1, not {exit_after}")
@@ -304,11 +340,9 @@ class Trainer:
                                     f"eval {step:>6}/{tr.steps} | loss {eval_loss:.4f} | ppl "
                                     f"{math.exp(min(eval_loss, 80)):.2f}")
             if ck.checkpoint_dir and (step % ck.checkpoint_interval == 0 or step == tr.steps):
-                saved = checkpoint.save(ck.checkpoint_dir, step, self.parts, self.optimizer, self.scheduler,
-                                        self.loader, config=mc, layout=c, keep=ck.keep_checkpoints,
-                                        names=self._param_names(), model=self.spec.name, preset=self._model_name(),
-                                        tokenizer=self._tokenizer())
-                self.log(f"saved checkpoint {saved}")
+                self.save_checkpoint(step, before_publish)
+            elif self.saver is not None:
+                self._saved(self.saver.poll())
         if ck.export_hf:   # no transformers class has meshtron's MoE block: those keep meshtron's names
             hf.export_safetensors(self.parts, ck.export_hf, mc, None if getattr(mc, "moe", None) else self.spec.hf)
             self.log(f"exported the weights to {ck.export_hf} (Hugging Face safetensors)")
@@ -318,20 +352,34 @@ class Trainer:
             for r, (ids, mem) in enumerate(per_rank):
                 host = " (host RSS)" if self.device.type == "cpu" else ""
                 self.log(f"rank {r} stages {ids}: peak mem {mem:.2f} GiB{host}")
+        measured = None
         if losses and dist.get_rank() == 0:   # beside the closing line: each run checks the planner's cost model
             float(losses[-1])   # the device done with the last step
             done = last - self.start
             measured = (time.perf_counter() - t_first) / (done - 1) if done > 1 else None
+        waited = self._finish_saves()
+        if losses and dist.get_rank() == 0:
             self.log(planned.comparison_line(c, dist.get_world_size(), self.microbatches, measured, self.device))
-        self._closing_line(losses, last, time.perf_counter() - t_start)
+        self._closing_line(losses, last, time.perf_counter() - t_start, waited)
         self.close()
         return [float(x) for x in losses]
 
-    def _closing_line(self, losses: list, last: int, seconds: float) -> None:
-        """What the run did and what it left behind, in one line."""
+    def _finish_saves(self) -> str:
+        """Wait for the background save in flight (--checkpoint-async); what the closing
+        line says of it ("" without --checkpoint-async)."""
+        if self.saver is None or not self.saver.started:
+            return ""
+        writing, t0 = self.saver.in_flight, time.perf_counter()
+        self._saved(self.saver.wait())
+        if writing is None:
+            return " (every background save had finished)"
+        return f" (waited {time.perf_counter() - t0:.1f} s for the background save of {os.path.basename(writing)})"
+
+    def _closing_line(self, losses: list, last: int, seconds: float, waited: str = "") -> None:
+        """What the run did and what it left behind, in one line; `waited`: _finish_saves'."""
         c, done = self.config, last - self.start
         final = f"final loss {float(losses[-1]):.4f}" if losses else "no step run"
-        wrote = [f"checkpoints in {c.checkpoint.checkpoint_dir}" if c.checkpoint.checkpoint_dir else
+        wrote = [f"checkpoints in {c.checkpoint.checkpoint_dir}{waited}" if c.checkpoint.checkpoint_dir else
                  "no checkpoint (--checkpoint-dir)"]
         if c.training.metrics_file:
             wrote.append(f"metrics in {c.training.metrics_file}")

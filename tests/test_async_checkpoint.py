@@ -1,0 +1,216 @@
+"""--checkpoint-async (issue 44, section 1): the state is copied to host memory, the
+loop goes on and a background thread writes it. What a blocking save guarantees
+must hold: the same checkpoint, tensor for tensor; exact resume; a save in flight
+when the job is killed never loads, and --resume auto takes the previous one; two
+saves never overlap; retention never removes the one being written; the directory's
+lock is held until the writer finishes; the closing line waits for the last save.
+Liveness is polled with a deadline; no timing is asserted."""
+import contextlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from test_checkpoint import COMMON, LAYOUTS, run
+from test_job_lifetime import DP2, RECIPE, TINY, _alive, _children, _env, _wait_for, _wait_for_line
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from meshtron.models import GPT, gpt_config
+from meshtron.train import checkpoint
+from meshtron.train.optim import build_optimizer
+
+from harness import train
+
+ASYNC = ["--checkpoint-async"]
+
+
+def _stored(path: str, out: str) -> dict:
+    """Everything a checkpoint holds (every rank's RNG, whole tensors), read back by DCP
+    (through the file `out`)."""
+    dcp_to_torch_save(path, out)
+    return torch.load(out, weights_only=False)
+
+
+def _equal(a, b, where="") -> list[str]:
+    """Where two nested states differ (tensors bit for bit)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        same = (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(a, b))
+        return [] if same else [where]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return [f"{where}: keys {sorted(a.keys() ^ b.keys())}"]
+        return [d for k in a for d in _equal(a[k], b[k], f"{where}.{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _equal(x, y, f"{where}.{i}")]
+    return [] if a == b else [f"{where}: {a!r} != {b!r}"]
+
+
+def _fresh_load(path: str):
+    """The checkpoint loaded into a fresh one-process model and its AdamW: (model, optimizer, step)."""
+    cfg = gpt_config("tiny", tie_embeddings=False)
+    model = GPT(cfg, seed=123)                    # other weights than the run's: all must come from the file
+    optimizer = build_optimizer([model], 1e-3)
+    step = checkpoint.load(path, [model], optimizer, config=cfg)
+    return model, optimizer, step
+
+
+def test_an_async_save_equals_a_blocking_one_and_resumes_exactly(pools, tmp_path):
+    sync, asy, resumed = (str(tmp_path / d) for d in ("sync", "async", "resumed"))
+    straight = run(pools, "dp2-zero3")
+    assert run(pools, "dp2-zero3", "--checkpoint-dir", sync, "--checkpoint-interval", "3") == straight
+    # the write of step 3 waits until step 4 has changed every weight: what it writes must be the staged copy
+    argv = COMMON + LAYOUTS["dp2-zero3"][1] + ["--checkpoint-dir", asy, "--checkpoint-interval", "3", *ASYNC]
+    losses, writes, _ = pools.run(2, _slow_writes, argv, timeout=300)[0]
+    assert losses == straight
+    assert [(w["step"], w.get("loop_went_on")) for w in writes] == [(3, True), (6, None)]
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(asy)] == ["step-00000003", "step-00000006"]
+    for step in ("step-00000003", "step-00000006"):
+        a, b = os.path.join(sync, step), os.path.join(asy, step)
+        checkpoint.validate(b)
+        # every stored item, each rank's RNG and the data position included
+        assert _equal(_stored(a, str(tmp_path / "a.pt")), _stored(b, str(tmp_path / "b.pt"))) == []
+        (ma, oa, sa), (mb, ob, sb) = _fresh_load(a), _fresh_load(b)
+        assert sa == sb == int(step[-8:])
+        assert _equal(ma.state_dict(), mb.state_dict()) == []
+        assert _equal(oa.state_dict(), ob.state_dict()) == []
+        assert len(oa.state_dict()["state"]) == len(list(ma.parameters()))   # the AdamW state was compared
+    # killed after step 3's async save (exit_after), resumed with async saves: the same losses
+    first = run(pools, "dp2-zero3", "--checkpoint-dir", resumed, "--checkpoint-interval", "3", *ASYNC, exit_after=3)
+    second = run(pools, "dp2-zero3", "--checkpoint-dir", resumed, "--checkpoint-interval", "3", "--resume", "auto",
+                 *ASYNC)
+    assert first + second == straight
+
+
+@pytest.mark.parametrize("layout", ["pp2", "tp2-sp"])
+def test_async_saves_resume_exactly_under_other_layouts(pools, tmp_path, layout):
+    # a pipeline rank saves its stages (the tied weight's copy under its first name), TP its shards
+    straight = run(pools, layout)
+    ck = ["--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3", *ASYNC]
+    first = run(pools, layout, *ck, exit_after=4)       # step 3's save, step 4 trained while it may be written
+    second = run(pools, layout, *ck, "--resume", "auto")
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == [
+        "step-00000003", "step-00000006"]
+    assert first == straight[:4] and second == straight[3:]
+
+
+def _slow_writes(rank, world, argv):
+    """Train with the background writer slowed down and watched: the write of step N
+    waits until the loop has finished step N + 1 (where the run goes that far: the loop
+    provably went on, and changed the weights and AdamW state in place), and records
+    what it saw. Returns (the losses, the writes, what rank 0 printed)."""
+    import meshtron.train.async_checkpoint as ac
+    from meshtron import Config, Trainer, models
+    from meshtron.train.lifetime import DirectoryLock, DirectoryLocked
+
+    config = Config.from_args(argv, models=models.PRESETS)
+    root = config.checkpoint.checkpoint_dir
+    started, writes, real = {}, [], ac.dcp.save
+
+    def on_step(step):
+        started.setdefault(step, threading.Event()).set()
+
+    def slow_save(sd, checkpoint_id, process_group=None):
+        step = int(checkpoint_id[-8:])
+        seen = {"step": step, "start": time.monotonic(),
+                "complete": [os.path.basename(p) for p in checkpoint.list_checkpoints(root)]}
+        if step + 2 <= config.training.steps:   # on_step(N + 2): step N + 1 has run
+            seen["loop_went_on"] = started.setdefault(step + 2, threading.Event()).wait(timeout=60)
+        if rank == 0:
+            try:
+                DirectoryLock(root).acquire()
+                seen["lock"] = "free"
+            except DirectoryLocked:
+                seen["lock"] = "held"
+        time.sleep(0.2)
+        real(sd, checkpoint_id=checkpoint_id, process_group=process_group)
+        seen["end"] = time.monotonic()
+        writes.append(seen)
+
+    printed = io.StringIO()
+    ac.dcp.save = slow_save
+    try:
+        with contextlib.redirect_stdout(printed):
+            losses = Trainer(config).train(on_step=on_step)
+    finally:
+        ac.dcp.save = real
+    return losses, writes, printed.getvalue()
+
+
+def test_saves_never_overlap_retention_spares_the_one_written_and_the_lock_waits(pools, tmp_path):
+    ck = str(tmp_path / "ck")
+    argv = COMMON + LAYOUTS["dp2-zero3"][1] + ["--checkpoint-dir", ck, "--checkpoint-interval", "2",
+                                                "--keep-checkpoints", "1", *ASYNC]
+    _, writes, printed = pools.run(2, _slow_writes, argv, timeout=300)[0]
+    assert [w["step"] for w in writes] == [2, 4, 6]
+    for before, after in zip(writes, writes[1:]):
+        assert after["start"] >= before["end"]                    # one save in flight at a time
+    # keep 1: while step N is written the previous one is still the newest complete checkpoint
+    assert [w["complete"] for w in writes] == [[], ["step-00000002"], ["step-00000004"]]
+    assert [w.get("loop_went_on") for w in writes] == [True, True, None]   # steps 3 and 5 trained meanwhile
+    assert [w["lock"] for w in writes] == ["held"] * 3            # the last one too, written after the loop
+    assert sorted(os.listdir(ck)) == [".lock", "step-00000006"]
+    assert open(os.path.join(ck, ".lock")).read() == ""           # released, after the last write
+    checkpoint.validate(os.path.join(ck, "step-00000006"))
+    lines = printed.strip().splitlines()
+    assert [line for line in lines if line.startswith("saved checkpoint")] == [
+        f"saved checkpoint {ck}/step-0000000{s}" for s in (2, 4, 6)]
+    assert lines[-2] == f"saved checkpoint {ck}/step-00000006"    # before the closing line, which says it waited
+    assert f"; checkpoints in {ck} (waited " in lines[-1] and "s for the background save of step-00000006)" in lines[-1]
+    assert sum(line.startswith(f"saving checkpoint {ck}/step-") and "in the background (the loop held " in line
+               for line in lines) == 3
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads worker pids from /proc")
+def test_a_job_killed_while_a_save_is_written_resumes_from_the_previous_one_exactly(pools, tmp_path):
+    # the write of step 6 is held (MESHTRON_HOLD_SAVE_AT_STEP) once every rank's shards are on disk,
+    # before the rename; the loop trains on to step 9, whose save waits for it; then the job is killed
+    ck, metrics, log = tmp_path / "ck", tmp_path / "m.jsonl", tmp_path / "agent.log"
+    args = TINY + DP2 + ["--steps", "100000", "--checkpoint-dir", str(ck), "--checkpoint-interval", "3",
+                         "--keep-checkpoints", "1", "--metrics-file", str(metrics), "--pg-timeout", "30", *ASYNC]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", RECIPE]
+    steps = lambda: {json.loads(line)["step"] for line in metrics.read_text().splitlines()}  # noqa: E731
+    with open(log, "w") as out:
+        agent = subprocess.Popen(torchrun + args, env=_env() | {"MESHTRON_HOLD_SAVE_AT_STEP": "6"}, stdout=out,
+                                 stderr=subprocess.STDOUT)
+    try:
+        _wait_for_line(log, "holding the save of step 6", agent)
+        _wait_for(lambda: 9 in steps(), "step 9 trained while step 6 was written", proc=agent)
+        tmp = ck / ".tmp-step-00000006"
+        shards = sorted(os.listdir(tmp))
+        assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"], shards   # written, not yet renamed
+        assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(ck))] == ["step-00000003"]
+        with pytest.raises(checkpoint.CheckpointError, match="not a complete meshtron checkpoint"):
+            checkpoint.validate(str(tmp))
+        workers = _children(agent.pid)
+        assert len(workers) == 2, workers
+        agent.send_signal(signal.SIGKILL)
+        agent.wait()
+        deadline = time.monotonic() + 15
+        while any(map(_alive, workers)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(map(_alive, workers)), f"workers {[w for w in workers if _alive(w)]} outlived their agent"
+    finally:
+        agent.kill()
+        for w in workers if "workers" in locals() else []:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w, signal.SIGKILL)
+    assert checkpoint.latest_good(str(ck)) == (str(ck / "step-00000003"), [])
+    out = subprocess.run(torchrun + args + ["--resume", "auto"], env=_env() | {"MESHTRON_EXIT_AFTER": "6"},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"resumed from {ck}/step-00000003 at step 3" in out.stdout
+    assert f"removed .tmp-step-00000006 from {ck}: left by a killed save" in out.stdout
+    assert sorted(os.listdir(ck)) == [".lock", "step-00000009"]      # keep 1, once 6 and 9 were written
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert {r["step"] for r in rows} == set(range(1, 10))
+    straight = pools.run(2, train, TINY + DP2 + ["--steps", "100000"], 9, timeout=300)[0]
+    # the killed job's steps 4-9 (trained past the save in flight) and the resumed job's alike
+    assert [(r["step"], r["loss"]) for r in rows] == [(r["step"], straight[r["step"] - 1]) for r in rows]
+    assert sum(r["step"] == 6 for r in rows) == 2                   # trained by both jobs
