@@ -52,36 +52,38 @@ def packed_stream(seed: int = 0, n_docs: int = 40) -> np.ndarray:
     return np.concatenate(docs).astype(np.uint16)
 
 
-def packed_batch(seed: int = 0):
-    """(x, y, the model's document inputs): a global batch of the packed stream."""
+def packed_batch(seed: int = 0, mask: bool = True, positions: bool = True, eod_mask_loss: bool = True):
+    """(x, y, the model's document inputs, the targets as read, the document of every
+    token of the windows): a global batch of the packed stream."""
     stream = packed_stream(seed)
     loader = BatchLoader(Tokens(stream, document_starts(None, stream)), SEQ, BATCH, shuffle=False)
-    x, y, documents = loader.next_batch()
-    y, inputs = document_inputs(documents, y, mask=True, positions=True, eod_mask_loss=True,
+    x, read, documents = loader.next_batch()
+    y, inputs = document_inputs(documents, read, mask=mask, positions=positions, eod_mask_loss=eod_mask_loss,
                                 ignore_index=IGNORE_INDEX)
-    return x, y, inputs
+    return x, y, inputs, read, documents
 
 
-def one_by_one(model, x, y, documents):
+def one_by_one(model, x, targets, documents):
     """The token-mean loss of every document fragment of the batch run on its own
-    (plain causal attention, positions from 0), and its gradients."""
+    (plain causal attention, positions from 0), and its gradients. `targets` as read:
+    a fragment's last token, whose target is the next document's first, has none here."""
     total, count = 0.0, 0
     for b in range(x.shape[0]):
-        for d in documents[b].unique():
-            idx = (documents[b] == d).nonzero().squeeze(1)
+        docs = documents[b, :-1]
+        for d in docs.unique():
+            idx = (docs == d).nonzero().squeeze(1)
+            own = targets[b, idx].masked_fill(documents[b, idx + 1] != d, IGNORE_INDEX)
             logits = model(x[b:b + 1, idx])
-            total = total + F.cross_entropy(logits[0].float(), y[b, idx], ignore_index=IGNORE_INDEX, reduction="sum")
-            count += int((y[b, idx] != IGNORE_INDEX).sum())
+            total = total + F.cross_entropy(logits[0].float(), own, ignore_index=IGNORE_INDEX, reduction="sum")
+            count += int((own != IGNORE_INDEX).sum())
     loss = total / count
     loss.backward()
     return float(loss), {n: p.grad.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
 
 
-def _packed_vs_one_by_one(rank, world, model, degrees, pcfg_kwargs):
+def _under(model, degrees, pcfg_kwargs, x, y, inputs):
+    """(loss, gathered gradients) of one step on the global batch, at one process or under the layout."""
     build, spec, cfg = MODELS[model]
-    x, y, inputs = packed_batch()
-    ref = build()
-    ref_loss, ref_grads = one_by_one(ref, x, y, inputs["documents"])
     if not degrees:
         solo = build()
         loss = forward_backward([solo], x, y, None, inputs=inputs)
@@ -97,9 +99,29 @@ def _packed_vs_one_by_one(rank, world, model, degrees, pcfg_kwargs):
         local = {k: t.chunk(count)[index] for k, t in inputs.items()}
         loss = forward_backward(parts, x.chunk(count)[index], y.chunk(count)[index], me, zero=pcfg.zero,
                                 pipeline=pipe, microbatches=1, inputs=local)
-    grads = {n: full(p.grad) for m in parts for n, p in m.named_parameters() if p.grad is not None}
+    return float(loss), {n: full(p.grad) for m in parts for n, p in m.named_parameters(remove_duplicate=False)
+                         if p.grad is not None}
+
+
+def _packed_vs_one_by_one(rank, world, model, degrees, pcfg_kwargs):
+    x, y, inputs, read, documents = packed_batch()
+    ref_loss, ref_grads = one_by_one(MODELS[model][0](), x, read, documents)
+    loss, grads = _under(model, degrees, pcfg_kwargs, x, y, inputs)
     worst = max(rel_err(g, ref_grads[n].float()) for n, g in grads.items())
-    return abs(float(loss) - ref_loss) / ref_loss, worst, len(grads)
+    return abs(loss - ref_loss) / ref_loss, worst, len(grads)
+
+
+def _positions_alone(rank, world, model, degrees, pcfg_kwargs):
+    """Per-document positions without the mask, where a rotary model sees them (under the mask
+    it sees only the distance between two tokens of one document, which no offset changes):
+    the layout against one process, and how far one process's gradients move without them."""
+    x, y, inputs, _, _ = packed_batch(mask=False)
+    assert set(inputs) == {"positions"}
+    ref_loss, ref_grads = _under(model, {}, {}, x, y, inputs)
+    loss, grads = _under(model, degrees, pcfg_kwargs, x, y, inputs)
+    without = _under(model, {}, {}, x, y, {})[1]
+    worst = max(rel_err(g, ref_grads[n].float()) for n, g in grads.items())
+    return abs(loss - ref_loss) / ref_loss, worst, max(rel_err(g, ref_grads[n].float()) for n, g in without.items())
 
 
 def test_positions_restart_and_the_mask_stays_in_each_document():
@@ -186,6 +208,14 @@ def test_packed_under_a_layout_equals_one_by_one(pools, model, name):
         assert loss < TOL and grad < TOL and n > 0, (name, loss, grad)
 
 
+@pytest.mark.parametrize("model,name", [("llama", None), ("llama", "tp2 sp"), ("llama", "pp2"), ("llama", "cp2 a2a"),
+                                        ("gpt-rope", "cp2 a2a")])
+def test_rotary_models_take_per_document_positions_without_the_mask(pools, model, name):
+    world, degrees, extra = LAYOUTS[name] if name else (1, {}, {})
+    for loss, grad, moved in pools.run(world, _positions_alone, model, degrees, extra):
+        assert loss < TOL and grad < TOL and moved > 1e-3, (name, loss, grad, moved)
+
+
 def test_compiled_blocks_take_the_mask(pools):
     # the mask is an input of every compiled block (a BlockMask on GPUs, here the dense one)
     loss, grad, n = pools.run(1, _packed_vs_one_by_one, "llama", dict(dp=1), dict(compile=True), timeout=600)[0]
@@ -198,11 +228,16 @@ def _fp8_packed(rank, world):
     tokens, so one document alone would be scaled otherwise."""
     from meshtron.distributed import float8
     from meshtron.models.llama.parallelize import FP8_SKIP
-    x, y, inputs = packed_batch()
+    x, y, inputs, _, _ = packed_batch()
     ref = Llama(LLAMA, seed=0)
     float8.convert(ref, "tensorwise", "cpu", skip=FP8_SKIP)
     ref_loss = float(forward_backward([ref], x, y, None, microbatches=2, inputs=inputs))
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    # the same FP8 process without the mask: what a layout that dropped it would give
+    unmasked = Llama(LLAMA, seed=0)
+    float8.convert(unmasked, "tensorwise", "cpu", skip=FP8_SKIP)
+    without = float(forward_backward([unmasked], x, y, None, microbatches=2,
+                                     inputs={k: t for k, t in inputs.items() if k != "documents"}))
     me, pcfg = mesh(dp=2), ParallelConfig(dp=2, zero=3, fp8="tensorwise")
     model = Llama(LLAMA, seed=0)
     LLAMA_SPEC.parallelize(model, me, pcfg)
@@ -211,13 +246,14 @@ def _fp8_packed(rank, world):
     loss = forward_backward([model], x.chunk(count)[index], y.chunk(count)[index], me, zero=3,
                             inputs={k: t.chunk(count)[index] for k, t in inputs.items()})
     worst = max(rel_err(full(p.grad), ref_grads[n].float()) for n, p in model.named_parameters())
-    return abs(float(loss) - ref_loss) / ref_loss, worst
+    return abs(float(loss) - ref_loss) / ref_loss, worst, abs(without - ref_loss) / ref_loss
 
 
 def test_fp8_takes_the_mask(pools):
     pytest.importorskip("torchao.float8")
-    for loss, grad in pools.run(2, _fp8_packed):
-        assert loss < 1e-5 and grad < 1e-5, (loss, grad)
+    for loss, grad, unmasked in pools.run(2, _fp8_packed):
+        # the mask moves the loss 200x more than the tolerance: a dropped mask cannot pass
+        assert loss < 1e-5 and grad < 1e-5 and unmasked > 1e-3, (loss, grad, unmasked)
 
 
 def test_packed_moe_under_expert_parallelism_equals_one_by_one(pools):
