@@ -108,7 +108,7 @@ class Trainer:
         """The training tokens and the held-out ones (None without --eval-data)."""
         d, vocab = self.config.data, self.model_config.vocab_size
         return (open_data(d.data, vocab, d.tokenizer, documents=self._documents()),
-                open_data(d.eval_data, vocab, d.tokenizer) if d.eval_data else None)
+                open_data(d.eval_data, vocab, d.tokenizer, documents=self._documents()) if d.eval_data else None)
 
     def _build_optimizer(self) -> tuple:
         tr = self.config.training

@@ -294,24 +294,69 @@ def test_a_cp_variant_that_takes_no_mask_is_refused_with_one_line():
 
 # ---- the recipe: one process and the layouts give the same losses --------------------
 
+FLAGS = ["--document-mask", "--document-positions", "--eod-mask-loss"]
 ARGS = ["--model", "llama-tiny", "--seq-len", "64", "--steps", "6", "--global-batch", "4", "--micro-batch", "2",
-        "--log-interval", "1",
-        "--document-mask", "--document-positions", "--eod-mask-loss"]
-
-
-def _metrics_losses(pools, world, argv, path):
-    pools.run(world, train, argv + ["--metrics-file", str(path)])
-    return [json.loads(line)["loss"] for line in path.read_text().splitlines() if '"loss"' in line]
+        "--log-interval", "1"]
 
 
 @pytest.fixture(scope="module")
-def one_process_losses(pools, tmp_path_factory):
-    return _metrics_losses(pools, 1, ARGS, tmp_path_factory.mktemp("one") / "m.jsonl")
+def short_documents(tmp_path_factory):
+    """A directory of 120 text files of 4 to 40 bytes (each file is a document): every
+    64-token sample holds several documents."""
+    rng = np.random.default_rng(0)
+    root = tmp_path_factory.mktemp("docs")
+    words = ["the", "a", "cat", "sat", "on", "mat", "dog", "ran", "far", "and", "then", "slept", "here"]
+    for i in range(120):
+        text = " ".join(rng.choice(words, rng.integers(1, 9)))
+        (root / f"{i:03d}.txt").write_text(text + ".")
+    return str(root)
+
+
+def _metrics(pools, world, argv, path, key="loss"):
+    pools.run(world, train, argv + ["--metrics-file", str(path)])
+    return [json.loads(line)[key] for line in path.read_text().splitlines() if f'"{key}"' in line]
+
+
+@pytest.fixture(scope="module")
+def one_process_losses(pools, tmp_path_factory, short_documents):
+    return _metrics(pools, 1, ARGS + FLAGS + ["--data", short_documents], tmp_path_factory.mktemp("one") / "m.jsonl")
+
+
+def test_the_recipes_documents_hold_several_per_sample_and_each_flag_moves_the_loss(pools, tmp_path, short_documents,
+                                                                                      one_process_losses):
+    src = open_data(short_documents, 320, documents=True)
+    loader = BatchLoader(src, 64, 4, shuffle=False)
+    for _ in range(6):
+        _, _, documents = loader.next_batch()
+        assert all(len(row.unique()) >= 3 for row in documents), documents
+    # each flag off in turn gives another loss at every step; the Llama's rotary positions are relative,
+    # so --document-positions shows without the mask (under it no offset changes a score), and at random
+    # initial weights by little: one process repeats its losses bit for bit, so any difference is the flag's
+    alone = _metrics(pools, 1, ARGS + ["--document-positions", "--data", short_documents], tmp_path / "p.jsonl")
+    for i, (flag, on, by) in enumerate([("--document-mask", one_process_losses, 1e-4),
+                                        ("--eod-mask-loss", one_process_losses, 1e-4),
+                                        ("--document-positions", alone, 0)]):
+        others = [f for f in FLAGS if f != flag] if on is one_process_losses else []
+        losses = _metrics(pools, 1, ARGS + others + ["--data", short_documents], tmp_path / f"{i}.jsonl")
+        assert len(losses) == 6 and all(abs(a - b) > by * abs(b) for a, b in zip(losses, on)), (flag, losses, on)
 
 
 @pytest.mark.parametrize("flags,world", [(["--dp", "2"], 2), (["--pp", "2"], 2), (["--cp", "2", "--cp-comm", "a2a"], 2),
                                          (["--dp", "2", "--tp", "2", "--sp"], 4)],
                          ids=["dp2", "pp2", "cp2-a2a", "dp2xtp2-sp"])
-def test_recipe_losses_with_document_masks_equal_one_process(pools, tmp_path, one_process_losses, flags, world):
-    many = _metrics_losses(pools, world, ARGS + flags, tmp_path / "m.jsonl")
+def test_recipe_losses_with_document_masks_equal_one_process(pools, tmp_path, one_process_losses, short_documents,
+                                                             flags, world):
+    many = _metrics(pools, world, ARGS + FLAGS + ["--data", short_documents] + flags, tmp_path / "m.jsonl")
     assert len(one_process_losses) == 6 and many == pytest.approx(one_process_losses, rel=1e-5)
+
+
+@pytest.mark.parametrize("flags,world", [([], 1), (["--pp", "2"], 2), (["--cp", "2", "--cp-comm", "a2a"], 2)],
+                         ids=["one", "pp2", "cp2-a2a"])
+def test_evaluation_reads_documents_as_training_does(pools, tmp_path, short_documents, flags, world):
+    # an lr too small to move a weight: evaluating the first batch after step 1 is that step's forward
+    argv = ARGS[:ARGS.index("--steps")] + ["--steps", "1", "--lr", "1e-30", "--data", short_documents,
+                                           "--eval-data", short_documents, "--eval-steps", "1"] + ARGS[6:] + flags
+    path = tmp_path / "m.jsonl"
+    trained = _metrics(pools, world, argv + FLAGS, path)
+    evaluated = [json.loads(line)["eval_loss"] for line in path.read_text().splitlines() if "eval_loss" in line]
+    assert len(trained) == len(evaluated) == 1 and evaluated == pytest.approx(trained, rel=1e-5), (trained, evaluated)
