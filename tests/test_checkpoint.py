@@ -448,3 +448,19 @@ def test_a_transformers_config_read_from_a_saved_model_saves_resumes_and_refuses
     assert resumed == 3
     width = "n_embd" if arch == "gpt2" else "hidden_size"
     assert refusal is not None and f"{width}=32 there, 64 here" in refusal, refusal
+
+
+def test_own_model_refuses_another_models_checkpoint_with_one_line(tmp_path):
+    # docs/own-model.md: "a run of another model refuses it with one line, as the trainer's does"
+    ck = str(tmp_path / "ck")
+    own = [sys.executable, os.path.join(ROOT, "recipes", "own_model.py"), "--tp", "1", "--steps", "1",
+           "--checkpoint-dir", ck]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    first = subprocess.run(own, capture_output=True, text=True, timeout=300, env=env)
+    assert first.returncode == 0 and "saved checkpoint" in first.stdout, first.stderr[-3000:]
+    other = subprocess.run(own[:-4] + ["--steps", "2", "--checkpoint-dir", ck, "--hidden-size", "64"],
+                           capture_output=True, text=True, timeout=300, env=env)
+    lines = other.stderr.strip().splitlines()
+    assert other.returncode == 1 and other.stdout == "" and len(lines) == 1, other.stderr[-3000:]
+    assert lines[0].startswith(f"error: checkpoint {ck}/step-00000001 is for another model: hidden_size=128 there, "
+                               "64 here"), lines[0]
