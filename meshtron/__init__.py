@@ -7,19 +7,26 @@ optimizer, checkpoints and a safetensors export.
 """
 import logging
 
+import torch
+
 
 class _ImportNoise(logging.Filter):
     """torchao, which transformers imports with its model classes, logs on every rank that its CUDA
-    kernels do not load on a CPU machine and that torch 2.13 deprecates how it registers two enums:
-    four lines per rank, none of them about the run. Only those messages are dropped."""
-    NOISE = ("Failed to load", "is an Enum subclass and is now natively supported")
+    kernels do not load and, on torch 2.13, that it registers two enums the deprecated way: lines
+    per rank that are not about the run. A kernel that does not load is noise only without CUDA;
+    on a GPU machine it is a real failure and is kept."""
+
+    def __init__(self, cuda: bool):
+        super().__init__()
+        self.noise = ("is an Enum subclass and is now natively supported",) + (() if cuda else ("Failed to load",))
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not any(n in record.getMessage() for n in self.NOISE)
+        return not any(n in record.getMessage() for n in self.noise)
 
 
+_filter = _ImportNoise(cuda=torch.cuda.is_available())
 for _name in ("torchao", "torch.utils._pytree"):
-    logging.getLogger(_name).addFilter(_ImportNoise())
+    logging.getLogger(_name).addFilter(_filter)
 
 from meshtron.config import Config, ParallelConfig  # noqa: E402
 from meshtron.data import BatchLoader, load_tokens  # noqa: E402

@@ -9,7 +9,8 @@ prints its own 16-line traceback and a 14-line summary box after the worker's
 one-line error; no worker can shorten that. Here the first failure is one line
 (rank, exit code, the worker's message from its error file) and the exit
 code is the worker's. torchrun also prints a 4-line banner when it sets
-OMP_NUM_THREADS=1 for you; this sets the same value, silently.
+OMP_NUM_THREADS=1 for you (more than one process per node, the variable unset);
+this sets the same value in the same case, silently.
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def main(argv=None) -> None:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if torchrun.determine_local_world_size(args.nproc_per_node) > 1:   # where torchrun would, and no more
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     # the agent logs each failed worker with its pid and binary; the line below says it once
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     try:

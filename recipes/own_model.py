@@ -14,6 +14,7 @@ import torch
 import transformers
 
 import meshtron
+from meshtron.train.lifetime import one_line_errors
 
 PLAN = {  # module-name globs -> the string styles of meshtron.parallelize_module
     "model.embed_tokens": "vocab_parallel",
@@ -45,13 +46,14 @@ def main():
     parser.add_argument("--steps", type=int, default=12, help="train to this step")
     parser.add_argument("--checkpoint-dir", help="save the last step here; a later run resumes from it")
     parser.add_argument("--export", help="write the trained weights and config.json here (transformers loads it)")
+    parser.add_argument("--hidden-size", type=int, default=128, help="the model's width (another is another model)")
     args = parser.parse_args()
     meshtron.init_process_group(timeout_s=600)
     dp = torch.distributed.get_world_size() // (args.pp * args.tp)
     mesh = meshtron.init_mesh(dp=dp, pp=args.pp, tp=args.tp)
     torch.manual_seed(0)    # every rank builds the same weights, then keeps its shards
     hf_config = transformers.LlamaConfig(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS, num_attention_heads=4,
+        hidden_size=args.hidden_size, intermediate_size=256, num_hidden_layers=LAYERS, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=320, max_position_embeddings=256, use_cache=False)
     model = transformers.LlamaForCausalLM(hf_config)
     config = meshtron.ParallelConfig(zero=3, loss_parallel=False)
@@ -92,4 +94,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    one_line_errors(main)   # a mistake of the user's (another model's checkpoint, a bad path) is one line

@@ -396,3 +396,74 @@ def test_generation_refuses_text_for_a_checkpoint_trained_on_token_ids(tmp_path)
     assert gen.returncode == 1 and gen.stderr.strip().splitlines() == [
         f"error: {ck}/step-00000001 was trained on token ids (its tokenizer is not recorded): pass --tokenizer, or "
         "--prompt-ids with --print-ids"], gen.stderr
+
+
+def _tiny_hf_config(transformers, arch, width=32):
+    if arch == "gpt2":
+        return transformers.GPT2Config(vocab_size=64, n_embd=width, n_layer=2, n_head=4, n_positions=64,
+                                       bos_token_id=0, eos_token_id=0)
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[arch]
+    return cls(vocab_size=64, hidden_size=width, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2)
+
+
+def _as_users_get_it(transformers, arch, where, width=32, version=None):
+    """The config as read back from a saved model's directory (as every hub model is read); `version`
+    rewrites config.json as another transformers version would have written it."""
+    import json
+    transformers.AutoModelForCausalLM.from_config(_tiny_hf_config(transformers, arch, width)).save_pretrained(where)
+    if version:
+        path = os.path.join(where, "config.json")
+        stored = json.load(open(path))
+        stored["transformers_version"] = version
+        stored["torch_dtype"] = stored.pop("dtype")   # the name 4.x wrote
+        json.dump(stored, open(path, "w"))
+    return transformers.AutoConfig.from_pretrained(where)
+
+
+def _hf_configs_save_and_resume(rank, world, root, arch):
+    import transformers
+    cfg = _as_users_get_it(transformers, arch, os.path.join(root, "model"))
+    assert isinstance(cfg.dtype, torch.dtype)   # what made the save fail once
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    opt = torch.optim.AdamW(model.parameters())
+    ck = checkpoint.save(os.path.join(root, "ck"), 1, [model], opt, config=cfg)
+    assert os.path.basename(ck) == "step-00000001" and os.path.isfile(os.path.join(ck, "meshtron.json"))
+    resumed = 0
+    for other in (cfg, _tiny_hf_config(transformers, arch),     # as built in code
+                  _as_users_get_it(transformers, arch, os.path.join(root, "old"), version="4.46.0")):
+        fresh = transformers.AutoModelForCausalLM.from_config(cfg)
+        resumed += checkpoint.load(ck, [fresh], config=other) == 1
+        for a, b in zip(model.parameters(), fresh.parameters()):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    wider = _as_users_get_it(transformers, arch, os.path.join(root, "wider"), width=64)
+    try:
+        checkpoint.load(ck, [transformers.AutoModelForCausalLM.from_config(wider)], config=wider)
+    except checkpoint.ModelMismatch as e:
+        return resumed, str(e)
+    return resumed, None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_a_transformers_config_read_from_a_saved_model_saves_resumes_and_refuses_another(pools, tmp_path, arch):
+    pytest.importorskip("transformers")
+    resumed, refusal = pools.run(1, _hf_configs_save_and_resume, str(tmp_path), arch)[0]
+    assert resumed == 3
+    width = "n_embd" if arch == "gpt2" else "hidden_size"
+    assert refusal is not None and f"{width}=32 there, 64 here" in refusal, refusal
+
+
+def test_own_model_refuses_another_models_checkpoint_with_one_line(tmp_path):
+    # docs/own-model.md: "a run of another model refuses it with one line, as the trainer's does"
+    ck = str(tmp_path / "ck")
+    own = [sys.executable, os.path.join(ROOT, "recipes", "own_model.py"), "--tp", "1", "--steps", "1",
+           "--checkpoint-dir", ck]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    first = subprocess.run(own, capture_output=True, text=True, timeout=300, env=env)
+    assert first.returncode == 0 and "saved checkpoint" in first.stdout, first.stderr[-3000:]
+    other = subprocess.run(own[:-4] + ["--steps", "2", "--checkpoint-dir", ck, "--hidden-size", "64"],
+                           capture_output=True, text=True, timeout=300, env=env)
+    lines = other.stderr.strip().splitlines()
+    assert other.returncode == 1 and other.stdout == "" and len(lines) == 1, other.stderr[-3000:]
+    assert lines[0].startswith(f"error: checkpoint {ck}/step-00000001 is for another model: hidden_size=128 there, "
+                               "64 here"), lines[0]

@@ -129,3 +129,22 @@ def test_tests_start_ranks_only_through_the_harness_pools():
                     if isinstance(node, ast.Attribute) and node.attr in ("spawn", "start_processes", "Process"):
                         found.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}: .{node.attr}")
     assert not found, found
+
+
+def test_torchaos_kernel_load_failures_are_dropped_only_without_cuda():
+    import logging
+
+    import torch
+
+    import meshtron
+
+    def kept(f, message):
+        return f.filter(logging.LogRecord("torchao", logging.WARNING, __file__, 1, message, None, None))
+
+    failed = "Failed to load /site-packages/torchao/_C_cutlass_90a.abi3.so: undefined symbol"
+    enum = "<enum 'KernelPreference'> is an Enum subclass and is now natively supported by torch.compile"
+    assert not kept(meshtron._ImportNoise(cuda=False), failed) and kept(meshtron._ImportNoise(cuda=True), failed)
+    assert not any(kept(meshtron._ImportNoise(cuda=c), enum) for c in (False, True))
+    assert kept(meshtron._ImportNoise(cuda=False), "a message about the run")
+    installed = [f for f in logging.getLogger("torchao").filters if isinstance(f, meshtron._ImportNoise)]
+    assert len(installed) == 1 and kept(installed[0], failed) == torch.cuda.is_available()

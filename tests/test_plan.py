@@ -220,6 +220,21 @@ def test_the_table_adds_up_names_ties_once_and_launches_every_node(capsys):
                "$JOB_ID recipes/train.py" in c for c in commands)
 
 
+def test_a_gpu_count_that_is_not_whole_nodes_is_refused_in_one_line_and_nodes_times_processes_is_the_world(capsys):
+    args = ["--model", "llama-1B", "--seq-len", "2048", "--global-batch", "48", "--gpu", "h100", "--top", "5"]
+    with pytest.raises(SystemExit) as e:
+        plan.main(args + ["--gpus", "12"])
+    assert str(e.value) == ("error: --gpus 12 is not a whole number of 8-GPU nodes: give a multiple of 8, "
+                            "or --gpus-per-node 6 (2 nodes of 6)")
+    assert capsys.readouterr().out == ""      # refused before any planning
+    for gpus, per_node, nodes in ((12, 6, 2), (6, 8, 1), (24, 8, 3)):
+        plan.main(args + ["--gpus", str(gpus), "--gpus-per-node", str(per_node)])
+        out = capsys.readouterr().out
+        launches = re.findall(r"meshtron-run (?:--nnodes (\d+) )?--nproc-per-node (\d+)", out)
+        assert launches and all(int(n or 1) * int(p) == gpus and int(n or 1) == nodes for n, p in launches), out
+        assert (f"each of the {nodes} nodes" in out) == (nodes > 1), out
+
+
 def test_the_planners_help_explains_every_flag_the_columns_and_calibrate(capsys):
     with pytest.raises(SystemExit):
         plan.main(["--help"])

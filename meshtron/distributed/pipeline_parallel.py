@@ -242,12 +242,13 @@ class Pipeline:
         return torch.stack(losses).sum() if losses else torch.zeros((), device=x.device)
 
     @torch.no_grad()
-    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Forward only: the sum of the micro-batch losses on the last stage, else 0."""
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor, inputs: dict | None = None) -> torch.Tensor:
+        """Forward only: the sum of the micro-batch losses on the last stage, else 0.
+        `inputs`: as step's."""
         self.loss_scale = 1.0
         losses = []
         args = (x.contiguous(),) if self.has_first else ()
-        kwargs = {**self._ids(x), **self.stage_kwargs}
+        kwargs = {**self._ids(x), **{k: t.contiguous() for k, t in (inputs or {}).items()}, **self.stage_kwargs}
         if self.has_last:
             kwargs |= {"target": y, "losses": losses}
         if hasattr(self.schedule, "eval"):   # torch 2.13; older schedules take the switch it sets

@@ -464,6 +464,10 @@ def main(argv=None) -> None:
         from meshtron.planner.calibrate import main as calibrate
         return calibrate(argv[1:])
     a = parser().parse_args(argv)
+    if a.gpus > a.gpus_per_node and a.gpus % a.gpus_per_node:
+        fits = max(d for d in range(1, a.gpus_per_node + 1) if a.gpus % d == 0)
+        sys.exit(f"error: --gpus {a.gpus} is not a whole number of {a.gpus_per_node}-GPU nodes: give a multiple of "
+                 f"{a.gpus_per_node}, or --gpus-per-node {fits} ({a.gpus // fits} nodes of {fits})")
     t0 = time.perf_counter()
     try:
         fit, over = plan(a.model, a.seq_len, a.global_batch, a.gpus, a.gpus_per_node, a.gpu, a.compile, a.fp8)

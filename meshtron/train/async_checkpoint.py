@@ -61,6 +61,7 @@ class BackgroundSaver:
         writer on every rank once every rank's shards are on disk, before rank 0
         renames them into place (a test's way to hold a write in flight)."""
         self.wait()
+        checkpoint._stored(record.get("config"))     # before any collective: a bad config fails alone
         final, _ = checkpoint.begin_save(root, step)
         staged, copied = self._stage(checkpoint.saved_state(parts, optimizer, scheduler, loader, step, names))
         self._path, self.started = final, self.started + 1

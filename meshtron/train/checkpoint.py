@@ -125,6 +125,7 @@ def save(root: str, step: int, parts, optimizer, scheduler=None, loader=None, *,
     older checkpoints, only those of this model config count towards `keep`, and only
     those are removed. meshtron/train/async_checkpoint.py writes the same files from a
     background thread."""
+    _stored(config)                              # before any collective: a bad config fails alone
     final, tmp = begin_save(root, step)
     sd = saved_state(parts, optimizer, scheduler, loader, step, names)
     dcp.save(sd, checkpoint_id=tmp)
@@ -166,7 +167,7 @@ def publish(root: str, step: int, keep: int, *, config=None, layout=None, model:
     tmp = os.path.join(root, f".tmp-step-{step:08d}")
     files = {os.path.basename(f): {"size": os.path.getsize(f), "crc32": _crc32(f)}
              for f in sorted(glob.glob(os.path.join(tmp, "*"))) + sorted(glob.glob(os.path.join(tmp, ".metadata")))}
-    meta = {"step": step, "model": model, "preset": preset, "tokenizer": tokenizer, "config": _jsonable(config),
+    meta = {"step": step, "model": model, "preset": preset, "tokenizer": tokenizer, "config": _stored(config),
             "layout": _jsonable(layout), "files": files}
     with open(os.path.join(tmp, "meshtron.json"), "w") as f:
         json.dump(meta, f, indent=1)
@@ -256,7 +257,7 @@ def _config_diff(meta: dict | None, config) -> dict | None:
     `config`; None where the checkpoint records none."""
     if meta is None or meta.get("config") is None:
         return None
-    mine = json.loads(json.dumps(_jsonable(config)))    # as stored: tuples become lists
+    mine = _stored(config)
     return {k: (meta["config"].get(k), v) for k, v in mine.items()
             if meta["config"].get(k) != v and k != "fused_kernels"}
 
@@ -369,14 +370,29 @@ def _crc32(path: str) -> int:
     return crc
 
 
+# Fields of a transformers config that say where and how it was written, not which model it
+# describes: a config built in code and the same one read back from a saved model differ in them.
+_NOT_THE_MODEL = ("transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype")
+
+
 def _jsonable(config):
     """A model config as stored: a dataclass (meshtron's), a mapping, or a Hugging Face
-    config (its fields, less the transformers version that wrote it, so that an upgrade
-    still resumes)."""
+    config (its `to_dict`, less _NOT_THE_MODEL, so that a config read from disk or written by
+    another transformers version still resumes). A transformers 5 config is also a dataclass,
+    whose fields hold a torch.dtype: its `to_dict` comes first."""
     if config is None:
         return None
+    if hasattr(config, "to_dict"):
+        return {k: v for k, v in config.to_dict().items() if k not in _NOT_THE_MODEL}
     if dataclasses.is_dataclass(config):
         return dataclasses.asdict(config)
-    if hasattr(config, "to_dict"):
-        return {k: v for k, v in config.to_dict().items() if k != "transformers_version"}
     return dict(config)
+
+
+def _stored(config):
+    """`config` as meshtron.json will hold it (tuples become lists); a value JSON cannot
+    hold is refused here, before any rank writes."""
+    try:
+        return json.loads(json.dumps(_jsonable(config)))
+    except TypeError as e:
+        raise CheckpointError(f"the model config given as config= cannot be recorded in meshtron.json: {e}") from None

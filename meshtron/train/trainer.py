@@ -120,7 +120,7 @@ class Trainer:
         """The training tokens and the held-out ones (None without --eval-data)."""
         d, vocab = self.config.data, self.model_config.vocab_size
         return (open_data(d.data, vocab, d.tokenizer, documents=self._documents()),
-                open_data(d.eval_data, vocab, d.tokenizer) if d.eval_data else None)
+                open_data(d.eval_data, vocab, d.tokenizer, documents=self._documents()) if d.eval_data else None)
 
     def _build_optimizer(self) -> tuple:
         tr = self.config.training
@@ -219,12 +219,14 @@ class Trainer:
         d = self.config.data
         return d.document_mask or d.document_positions or d.eod_mask_loss
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor, dict | None]:
-        """This rank's next (inputs, targets, the model's per-token keyword inputs)."""
+    def next_batch(self, loader=None) -> tuple[torch.Tensor, torch.Tensor, dict | None]:
+        """This rank's next (inputs, targets, the model's per-token keyword inputs) of `loader`
+        (the training one by default): evaluation reads documents as training does."""
+        loader = self.loader if loader is None else loader
         if not self._documents():
-            return *self.loader.next(), None
+            return *loader.next(), None
         d = self.config.data
-        x, y, documents = self.loader.next_batch()
+        x, y, documents = loader.next_batch()
         y, inputs = document_inputs(documents, y, mask=d.document_mask, positions=d.document_positions,
                                     eod_mask_loss=d.eod_mask_loss, ignore_index=IGNORE_INDEX)
         return x, y, inputs
@@ -260,15 +262,20 @@ class Trainer:
         for m in self.parts:
             m.eval()
         for _ in range(n):
-            x, y = (t.to(self.device) for t in self.eval_loader.next())
+            x, y, inputs = self.next_batch(self.eval_loader)
+            x, y = x.to(self.device), y.to(self.device)
+            inputs = {k: t.to(self.device) for k, t in (inputs or {}).items()}
             if degree(self.mesh, "cp") > 1:
                 x, y = shard_sequence(x, self.mesh), shard_sequence(y, self.mesh)
+                inputs = {k: shard_sequence(t, self.mesh) for k, t in inputs.items()}
             count = count + sum_over((y != IGNORE_INDEX).sum().float(), self.mesh, "loss")
             if self.pipeline is not None:
-                s = sum_over(self.pipeline.evaluate(x, y), self.mesh, "pp")
+                s = sum_over(self.pipeline.evaluate(x, y, inputs), self.mesh, "pp")
             else:
-                s = sum(_value(micro_batch_loss(self.parts[0], xs, ys, self.loss_fn, amp))
-                        for xs, ys in zip(x.chunk(self.microbatches), y.chunk(self.microbatches)))
+                split = [dict(zip(inputs, ts)) for ts in zip(*(t.chunk(self.microbatches) for t in inputs.values()))] \
+                    if inputs else [None] * self.microbatches
+                s = sum(_value(micro_batch_loss(self.parts[0], xs, ys, self.loss_fn, amp, split[i])) for i, (xs, ys)
+                        in enumerate(zip(x.chunk(self.microbatches), y.chunk(self.microbatches))))
             total = total + sum_over(s, self.mesh, "loss")
         reshard(self.parts)
         for m in self.parts:

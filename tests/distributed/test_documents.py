@@ -54,36 +54,38 @@ def packed_stream(seed: int = 0, n_docs: int = 40) -> np.ndarray:
     return np.concatenate(docs).astype(np.uint16)
 
 
-def packed_batch(seed: int = 0):
-    """(x, y, the model's document inputs): a global batch of the packed stream."""
+def packed_batch(seed: int = 0, mask: bool = True, positions: bool = True, eod_mask_loss: bool = True):
+    """(x, y, the model's document inputs, the targets as read, the document of every
+    token of the windows): a global batch of the packed stream."""
     stream = packed_stream(seed)
     loader = BatchLoader(Tokens(stream, document_starts(None, stream)), SEQ, BATCH, shuffle=False)
-    x, y, documents = loader.next_batch()
-    y, inputs = document_inputs(documents, y, mask=True, positions=True, eod_mask_loss=True,
+    x, read, documents = loader.next_batch()
+    y, inputs = document_inputs(documents, read, mask=mask, positions=positions, eod_mask_loss=eod_mask_loss,
                                 ignore_index=IGNORE_INDEX)
-    return x, y, inputs
+    return x, y, inputs, read, documents
 
 
-def one_by_one(model, x, y, documents):
+def one_by_one(model, x, targets, documents):
     """The token-mean loss of every document fragment of the batch run on its own
-    (plain causal attention, positions from 0), and its gradients."""
+    (plain causal attention, positions from 0), and its gradients. `targets` as read:
+    a fragment's last token, whose target is the next document's first, has none here."""
     total, count = 0.0, 0
     for b in range(x.shape[0]):
-        for d in documents[b].unique():
-            idx = (documents[b] == d).nonzero().squeeze(1)
+        docs = documents[b, :-1]
+        for d in docs.unique():
+            idx = (docs == d).nonzero().squeeze(1)
+            own = targets[b, idx].masked_fill(documents[b, idx + 1] != d, IGNORE_INDEX)
             logits = model(x[b:b + 1, idx])
-            total = total + F.cross_entropy(logits[0].float(), y[b, idx], ignore_index=IGNORE_INDEX, reduction="sum")
-            count += int((y[b, idx] != IGNORE_INDEX).sum())
+            total = total + F.cross_entropy(logits[0].float(), own, ignore_index=IGNORE_INDEX, reduction="sum")
+            count += int((own != IGNORE_INDEX).sum())
     loss = total / count
     loss.backward()
     return float(loss), {n: p.grad.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
 
 
-def _packed_vs_one_by_one(rank, world, model, degrees, pcfg_kwargs):
+def _under(model, degrees, pcfg_kwargs, x, y, inputs):
+    """(loss, gathered gradients) of one step on the global batch, at one process or under the layout."""
     build, spec, cfg = MODELS[model]
-    x, y, inputs = packed_batch()
-    ref = build()
-    ref_loss, ref_grads = one_by_one(ref, x, y, inputs["documents"])
     if not degrees:
         solo = build()
         loss = forward_backward([solo], x, y, None, inputs=inputs)
@@ -99,9 +101,29 @@ def _packed_vs_one_by_one(rank, world, model, degrees, pcfg_kwargs):
         local = {k: t.chunk(count)[index] for k, t in inputs.items()}
         loss = forward_backward(parts, x.chunk(count)[index], y.chunk(count)[index], me, zero=pcfg.zero,
                                 pipeline=pipe, microbatches=1, inputs=local)
-    grads = {n: full(p.grad) for m in parts for n, p in m.named_parameters() if p.grad is not None}
+    return float(loss), {n: full(p.grad) for m in parts for n, p in m.named_parameters(remove_duplicate=False)
+                         if p.grad is not None}
+
+
+def _packed_vs_one_by_one(rank, world, model, degrees, pcfg_kwargs):
+    x, y, inputs, read, documents = packed_batch()
+    ref_loss, ref_grads = one_by_one(MODELS[model][0](), x, read, documents)
+    loss, grads = _under(model, degrees, pcfg_kwargs, x, y, inputs)
     worst = max(rel_err(g, ref_grads[n].float()) for n, g in grads.items())
-    return abs(float(loss) - ref_loss) / ref_loss, worst, len(grads)
+    return abs(loss - ref_loss) / ref_loss, worst, len(grads)
+
+
+def _positions_alone(rank, world, model, degrees, pcfg_kwargs):
+    """Per-document positions without the mask, where a rotary model sees them (under the mask
+    it sees only the distance between two tokens of one document, which no offset changes):
+    the layout against one process, and how far one process's gradients move without them."""
+    x, y, inputs, _, _ = packed_batch(mask=False)
+    assert set(inputs) == {"positions"}
+    ref_loss, ref_grads = _under(model, {}, {}, x, y, inputs)
+    loss, grads = _under(model, degrees, pcfg_kwargs, x, y, inputs)
+    without = _under(model, {}, {}, x, y, {})[1]
+    worst = max(rel_err(g, ref_grads[n].float()) for n, g in grads.items())
+    return abs(loss - ref_loss) / ref_loss, worst, max(rel_err(g, ref_grads[n].float()) for n, g in without.items())
 
 
 def test_positions_restart_and_the_mask_stays_in_each_document():
@@ -188,6 +210,14 @@ def test_packed_under_a_layout_equals_one_by_one(pools, model, name):
         assert loss < TOL and grad < TOL and n > 0, (name, loss, grad)
 
 
+@pytest.mark.parametrize("model,name", [("llama", None), ("llama", "tp2 sp"), ("llama", "pp2"), ("llama", "cp2 a2a"),
+                                        ("gpt-rope", "cp2 a2a")])
+def test_rotary_models_take_per_document_positions_without_the_mask(pools, model, name):
+    world, degrees, extra = LAYOUTS[name] if name else (1, {}, {})
+    for loss, grad, moved in pools.run(world, _positions_alone, model, degrees, extra):
+        assert loss < TOL and grad < TOL and moved > 1e-3, (name, loss, grad, moved)
+
+
 def test_compiled_blocks_take_the_mask(pools):
     # the mask is an input of every compiled block (a BlockMask on GPUs, here the dense one)
     loss, grad, n = pools.run(1, _packed_vs_one_by_one, "llama", dict(dp=1), dict(compile=True), timeout=600)[0]
@@ -200,11 +230,16 @@ def _fp8_packed(rank, world):
     tokens, so one document alone would be scaled otherwise."""
     from meshtron.distributed import float8
     from meshtron.models.llama.parallelize import FP8_SKIP
-    x, y, inputs = packed_batch()
+    x, y, inputs, _, _ = packed_batch()
     ref = Llama(LLAMA, seed=0)
     float8.convert(ref, "tensorwise", "cpu", skip=FP8_SKIP)
     ref_loss = float(forward_backward([ref], x, y, None, microbatches=2, inputs=inputs))
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    # the same FP8 process without the mask: what a layout that dropped it would give
+    unmasked = Llama(LLAMA, seed=0)
+    float8.convert(unmasked, "tensorwise", "cpu", skip=FP8_SKIP)
+    without = float(forward_backward([unmasked], x, y, None, microbatches=2,
+                                     inputs={k: t for k, t in inputs.items() if k != "documents"}))
     me, pcfg = mesh(dp=2), ParallelConfig(dp=2, zero=3, fp8="tensorwise")
     model = Llama(LLAMA, seed=0)
     LLAMA_SPEC.parallelize(model, me, pcfg)
@@ -213,13 +248,14 @@ def _fp8_packed(rank, world):
     loss = forward_backward([model], x.chunk(count)[index], y.chunk(count)[index], me, zero=3,
                             inputs={k: t.chunk(count)[index] for k, t in inputs.items()})
     worst = max(rel_err(full(p.grad), ref_grads[n].float()) for n, p in model.named_parameters())
-    return abs(float(loss) - ref_loss) / ref_loss, worst
+    return abs(float(loss) - ref_loss) / ref_loss, worst, abs(without - ref_loss) / ref_loss
 
 
 def test_fp8_takes_the_mask(pools):
     pytest.importorskip("torchao.float8")
-    for loss, grad in pools.run(2, _fp8_packed):
-        assert loss < 1e-5 and grad < 1e-5, (loss, grad)
+    for loss, grad, unmasked in pools.run(2, _fp8_packed):
+        # the mask moves the loss 200x more than the tolerance: a dropped mask cannot pass
+        assert loss < 1e-5 and grad < 1e-5 and unmasked > 1e-3, (loss, grad, unmasked)
 
 
 def test_packed_moe_under_expert_parallelism_equals_one_by_one(pools):
@@ -260,26 +296,59 @@ def test_a_cp_variant_that_takes_no_mask_is_refused_with_one_line():
 
 # ---- the recipe: one process and the layouts give the same losses --------------------
 
+FLAGS = ["--document-mask", "--document-positions", "--eod-mask-loss"]
 ARGS = ["--model", "llama-tiny", "--seq-len", "64", "--steps", "6", "--global-batch", "4", "--micro-batch", "2",
-        "--log-interval", "1",
-        "--document-mask", "--document-positions", "--eod-mask-loss"]
-
-
-def _metrics_losses(pools, world, argv, path):
-    pools.run(world, train, argv + ["--metrics-file", str(path)])
-    return [json.loads(line)["loss"] for line in path.read_text().splitlines() if '"loss"' in line]
+        "--log-interval", "1"]
 
 
 @pytest.fixture(scope="module")
-def one_process_losses(pools, tmp_path_factory):
-    return _metrics_losses(pools, 1, ARGS, tmp_path_factory.mktemp("one") / "m.jsonl")
+def short_documents(tmp_path_factory):
+    """A directory of 120 text files of 4 to 40 bytes (each file is a document): every
+    64-token sample holds several documents."""
+    rng = np.random.default_rng(0)
+    root = tmp_path_factory.mktemp("docs")
+    words = ["the", "a", "cat", "sat", "on", "mat", "dog", "ran", "far", "and", "then", "slept", "here"]
+    for i in range(120):
+        text = " ".join(rng.choice(words, rng.integers(1, 9)))
+        (root / f"{i:03d}.txt").write_text(text + ".")
+    return str(root)
+
+
+def _metrics(pools, world, argv, path, key="loss"):
+    pools.run(world, train, argv + ["--metrics-file", str(path)])
+    return [json.loads(line)[key] for line in path.read_text().splitlines() if f'"{key}"' in line]
+
+
+@pytest.fixture(scope="module")
+def one_process_losses(pools, tmp_path_factory, short_documents):
+    return _metrics(pools, 1, ARGS + FLAGS + ["--data", short_documents], tmp_path_factory.mktemp("one") / "m.jsonl")
+
+
+def test_the_recipes_documents_hold_several_per_sample_and_each_flag_moves_the_loss(pools, tmp_path, short_documents,
+                                                                                      one_process_losses):
+    src = open_data(short_documents, 320, documents=True)
+    loader = BatchLoader(src, 64, 4, shuffle=False)
+    for _ in range(6):
+        _, _, documents = loader.next_batch()
+        assert all(len(row.unique()) >= 3 for row in documents), documents
+    # each flag off in turn gives another loss at every step; the Llama's rotary positions are relative,
+    # so --document-positions shows without the mask (under it no offset changes a score), and at random
+    # initial weights by little: one process repeats its losses bit for bit, so any difference is the flag's
+    alone = _metrics(pools, 1, ARGS + ["--document-positions", "--data", short_documents], tmp_path / "p.jsonl")
+    for i, (flag, on, by) in enumerate([("--document-mask", one_process_losses, 1e-4),
+                                        ("--eod-mask-loss", one_process_losses, 1e-4),
+                                        ("--document-positions", alone, 0)]):
+        others = [f for f in FLAGS if f != flag] if on is one_process_losses else []
+        losses = _metrics(pools, 1, ARGS + others + ["--data", short_documents], tmp_path / f"{i}.jsonl")
+        assert len(losses) == 6 and all(abs(a - b) > by * abs(b) for a, b in zip(losses, on)), (flag, losses, on)
 
 
 @pytest.mark.parametrize("flags,world", [(["--dp", "2"], 2), (["--pp", "2"], 2), (["--cp", "2", "--cp-comm", "a2a"], 2),
                                          (["--dp", "2", "--tp", "2", "--sp"], 4)],
                          ids=["dp2", "pp2", "cp2-a2a", "dp2xtp2-sp"])
-def test_recipe_losses_with_document_masks_equal_one_process(pools, tmp_path, one_process_losses, flags, world):
-    many = _metrics_losses(pools, world, ARGS + flags, tmp_path / "m.jsonl")
+def test_recipe_losses_with_document_masks_equal_one_process(pools, tmp_path, one_process_losses, short_documents,
+                                                             flags, world):
+    many = _metrics(pools, world, ARGS + FLAGS + ["--data", short_documents] + flags, tmp_path / "m.jsonl")
     assert len(one_process_losses) == 6 and many == pytest.approx(one_process_losses, rel=1e-5)
 
 
@@ -312,3 +381,15 @@ def test_the_log_counts_the_attention_the_mask_keeps_and_says_the_mask_is_on(poo
     causal = cfg.flops_per_token(64) - cfg.flops_per_token(0)   # the attention term, causal
     kept = [(r["tflops_per_gpu"] * 1e12 / r["tokens_per_s"] - cfg.flops_per_token(0)) / causal for r in rows]
     assert all(0.1 < k < 0.6 for k in kept), kept             # three or four documents a sample keep about 1/3
+
+
+@pytest.mark.parametrize("flags,world", [([], 1), (["--pp", "2"], 2), (["--cp", "2", "--cp-comm", "a2a"], 2)],
+                         ids=["one", "pp2", "cp2-a2a"])
+def test_evaluation_reads_documents_as_training_does(pools, tmp_path, short_documents, flags, world):
+    # an lr too small to move a weight: evaluating the first batch after step 1 is that step's forward
+    argv = ARGS[:ARGS.index("--steps")] + ["--steps", "1", "--lr", "1e-30", "--data", short_documents,
+                                           "--eval-data", short_documents, "--eval-steps", "1"] + ARGS[6:] + flags
+    path = tmp_path / "m.jsonl"
+    trained = _metrics(pools, world, argv + FLAGS, path)
+    evaluated = [json.loads(line)["eval_loss"] for line in path.read_text().splitlines() if "eval_loss" in line]
+    assert len(trained) == len(evaluated) == 1 and evaluated == pytest.approx(trained, rel=1e-5), (trained, evaluated)
