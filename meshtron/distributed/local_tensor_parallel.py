@@ -68,51 +68,20 @@ class _AllReduceBackward(torch.autograd.Function):
         return funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", ctx.group)), None
 
 
-# torch 2.13 deprecates funcol's *_tensor and *_tensor_autograd collectives (a FutureWarning
-# per call) for *_single, which torch 2.11 (the GPU machines') lacks: the plain form of
-# whichever this torch has, with the autograd pair written out below
-_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
-
-
-def _gather(x: torch.Tensor, group: str) -> torch.Tensor:
-    return funcol.wait_tensor(_all_gather(x.contiguous(), 1, group))
-
-
-def _scatter(x: torch.Tensor, group: str) -> torch.Tensor:
-    return funcol.wait_tensor(_reduce_scatter(x.contiguous(), "sum", 1, group))
-
-
-class _GatherSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _scatter(grad, ctx.group), None
-
-
-class _ScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _scatter(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, ctx.group), None
+# torch 2.13 renames funcol's *_tensor_autograd collectives *_single_autograd (the old names warn on
+# every call); torch 2.11, the GPU machines', has only the old: the same op under either name
+_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+_scatter_autograd = getattr(funcol, "reduce_scatter_single_autograd", None) or funcol.reduce_scatter_tensor_autograd
 
 
 def gather_seq(x: torch.Tensor, group: str) -> torch.Tensor:
     """(B, T/tp, ...) -> (B, T, ...); the backward reduce-scatters."""
-    return _GatherSeq.apply(x, group)
+    return _gather_autograd(x.contiguous(), gather_dim=1, group=group)
 
 
 def scatter_seq(x: torch.Tensor, group: str) -> torch.Tensor:
     """(B, T, ...) partial sums -> (B, T/tp, ...) summed; the backward all-gathers."""
-    return _ScatterSeq.apply(x, group)
+    return _scatter_autograd(x.contiguous(), "sum", scatter_dim=1, group=group)
 
 
 def _local(p: torch.Tensor | None) -> torch.Tensor | None:
