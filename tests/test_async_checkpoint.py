@@ -9,7 +9,6 @@ import contextlib
 import io
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -18,7 +17,7 @@ import time
 import pytest
 import torch
 from test_checkpoint import COMMON, LAYOUTS, run
-from test_job_lifetime import DP2, RECIPE, TINY, _alive, _children, _env, _wait_for, _wait_for_line
+from test_job_lifetime import DP2, RECIPE, TINY, _children, _env, _kill_agent, _wait_for, _wait_for_line
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from meshtron.models import GPT, gpt_config
@@ -190,17 +189,9 @@ def test_a_job_killed_while_a_save_is_written_resumes_from_the_previous_one_exac
             checkpoint.validate(str(tmp))
         workers = _children(agent.pid)
         assert len(workers) == 2, workers
-        agent.send_signal(signal.SIGKILL)
-        agent.wait()
-        deadline = time.monotonic() + 15
-        while any(map(_alive, workers)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not any(map(_alive, workers)), f"workers {[w for w in workers if _alive(w)]} outlived their agent"
+        _kill_agent(agent, workers)
     finally:
         agent.kill()
-        for w in workers if "workers" in locals() else []:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(w, signal.SIGKILL)
     assert checkpoint.latest_good(str(ck)) == (str(ck / "step-00000003"), [])
     out = subprocess.run(torchrun + args + ["--resume", "auto"], env=_env() | {"MESHTRON_EXIT_AFTER": "6"},
                          capture_output=True, text=True, timeout=300)

@@ -58,6 +58,22 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit() and (_stat(int(p)) or ("", 0))[1] == pid]
 
 
+def _kill_agent(agent, workers: list[int]) -> None:
+    """SIGKILL the torchrun agent alone (its workers are in sessions of their own) and
+    require that its workers end with it; whatever is left is killed."""
+    try:
+        agent.send_signal(signal.SIGKILL)
+        agent.wait()
+        deadline = time.monotonic() + DEADLINE_S
+        while any(map(_alive, workers)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(map(_alive, workers)), f"workers {[w for w in workers if _alive(w)]} outlived their agent"
+    finally:
+        for w in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w, signal.SIGKILL)
+
+
 def _wait_for(predicate, what: str, timeout: float = 120.0, proc=None):
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -86,17 +102,9 @@ def test_workers_die_with_a_killed_agent_and_the_job_resumes_exactly(pools, tmp_
         _wait_for(lambda: checkpoint.latest(str(ck)) is not None, "a first checkpoint", proc=agent)
         workers = _children(agent.pid)
         assert len(workers) == 2 and all(map(_alive, workers)), (workers, open(log).read()[-2000:])
-        agent.send_signal(signal.SIGKILL)      # the agent alone: its workers are in sessions of their own
-        agent.wait()
-        deadline = time.monotonic() + DEADLINE_S
-        while any(map(_alive, workers)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not any(map(_alive, workers)), f"workers {[w for w in workers if _alive(w)]} outlived their agent"
+        _kill_agent(agent, workers)
     finally:
         agent.kill()
-        for w in workers if "workers" in locals() else []:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(w, signal.SIGKILL)
     saved = checkpoint.list_checkpoints(str(ck))
     for path in saved:                         # whatever the kill interrupted, every step-N is whole
         checkpoint.validate(path)
