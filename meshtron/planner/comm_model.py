@@ -24,8 +24,9 @@ Where each comes from, per micro-batch unless said:
 - CP: the ring passes K and V round (cp - 1 steps forward, again backward) and
   dK, dV in the attention's accumulator (fp32 on GPUs, fp64 on the CPU).
 - MoE: per step one sum of every block's routing statistics over the ranks
-  holding other tokens; under cp per block a gather of each sequence's fp32
-  logits over cp (batch balancing) and of its weights and experts (capacity).
+  holding other tokens; with batch balancing per block a gather of their fp32
+  logits, and under cp with a capacity a gather of each sequence's weights and
+  experts over cp.
 - EP: per MoE block an all-to-all of the expert counts, of the token copies
   there and back, and both again backward. What a rank receives depends on the
   routing: predicted as if every rank received what it sends (exact summed
@@ -237,8 +238,8 @@ def _moe_blocks(t: _Tally, s: _Step, blocks: int) -> None:
     moe, m, refwd, tokens = s.cfg.moe, s.m * blocks, s.refwd, s.tokens
     E, k = moe.n_experts, moe.top_k
     seq = "cp" if s.d["cp"] > 1 else ""
-    if moe.batch_balance > 0 and not moe.balanced:   # the selection logits, fp32
-        t.add("all_gather", seq, tokens * E * 4, m * (1 + refwd), part="cp")
+    if moe.batch_balance > 0 and not moe.balanced:   # the micro-batch's selection logits, fp32, from every rank
+        t.add("all_gather", s.loss_label, tokens * E * 4, m * (1 + refwd))
     if moe.capacity > 0:
         t.add("all_gather", seq, tokens * k * s.a, m * (1 + refwd), part="cp")
         t.add("all_gather", seq, tokens * k * 8, m * (1 + refwd), part="cp")

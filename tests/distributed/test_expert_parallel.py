@@ -1,7 +1,7 @@
 """Mixture of experts and expert parallelism (issue 15) on gloo: every layout
 against one process over 10 steps in fp32 (loss, aux loss, gathered gradients
 of experts, router and dense weights, the clipped norm, updated weights, the
-expert bias), the Llama's routing balanced per sequence; capacity drops alike
+expert bias), the Llama's routing balanced per micro-batch; capacity drops alike
 at every ep degree; the collectives of one MoE layer; the recipe's losses under
 five layouts and two micro-batch cuts; checkpoints across ep degrees."""
 import json
@@ -135,11 +135,10 @@ def test_one_moe_layer_communicates_one_count_exchange_and_two_all_to_alls(pools
 
 # ---- the recipe, checkpoints, the model's sizes ---------------------------------------------
 
-# Per-sequence batch balancing leaves some tokens within ~1e-6 of a tie between their k-th
-# and next expert (it moves the cut to them), and the layouts' fp32 rounding of the weights
-# then flips one now and then: at seed 3 over 6 steps the layouts below differed by 2e-5 to
-# 7e-5 with it, 9e-8 without. The recipe checks run without it; the parity suite above
-# runs the Llama's balancing under every layout on data where nothing flips.
+# Batch balancing evens each micro-batch: a step cut into other micro-batches balances other
+# tokens together (test_recipe_parity checks it where the cuts agree). The recipe checks
+# here cut the step differently and run without it; the parity suite above runs the Llama's
+# balancing under every layout.
 RECIPE = ["--model", "llama-moe-tiny", "--seq-len", "32", "--steps", "4", "--global-batch", "4", "--micro-batch", "2",
           "--seed", "3", "--warmup", "2", "--log-interval", "1", "--moe-batch-balance", "0"]
 INVARIANT = ["--model", "llama-moe-tiny", "--seq-len", "32", "--steps", "6", "--global-batch", "8", "--seed", "3",

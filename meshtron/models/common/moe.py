@@ -8,8 +8,8 @@ parallelism swaps in one that moves tokens by all-to-all, from outside).
              DeepSeek-V3's, on the logits) pick the experts; their scores,
              renormalized to sum 1 (route_norm,
              Qwen3's; always for sigmoid), weigh the experts' outputs, summed in
-             fp32. `batch_balance` (training only) then evens the top-k over each
-             sequence; `balanced` (benchmarks only) assigns experts round-robin
+             fp32. `batch_balance` (training only) then evens the top-k over the
+             micro-batch (every rank's tokens of it); `balanced` (benchmarks only) assigns experts round-robin
     experts  SwiGLU w2(silu(x w1_gate) * x w1_up) or GeLU (x w1 + b1) -> w2 + b2,
              one grouped GEMM per projection over the tokens sorted by expert
     balance  the auxiliary loss a E sum_i f_i P_i (Switch / Megatron: f_i the
@@ -21,18 +21,21 @@ parallelism swaps in one that moves tokens by all-to-all, from outside).
              expert bias, moved after each step towards equal token counts of
              the router's own choice in proportion to each expert's distance
              from the mean load; and, with batch_balance = r rounds, a second
-             bias for each sequence alone (batch_bias) that gives every expert
-             about the mean number of its copies: these two train the router to
+             bias for this micro-batch alone (batch_bias, over every rank's
+             tokens of it) that gives every expert about the mean number of its
+             copies: these two train the router to
              balance over the data, this one evens each step, whose few
              documents route much alike
     capacity dropless by default; with a capacity factor c each expert takes
              at most ceil(c k T / E) of the T tokens of each sequence and drops
              the rest, lowest score first, ties by token order
 
-Every routing decision and statistic is a function of one sequence, or of the
-whole previous step: the same sequences give the same losses however the step
-is cut into micro-batches, ranks, experts or tensor-parallel shards (a sequence
-split by context parallelism is gathered for what needs all of it).
+Without batch balancing every routing decision and statistic is a function of
+one sequence, or of the whole previous step: the same sequences give the same
+losses however the step is cut into micro-batches, ranks, experts or
+tensor-parallel shards (a sequence split by context parallelism is gathered for
+its capacity). Batch balancing evens each micro-batch over every rank's tokens of
+it: the same under any layout that cuts the step into the same micro-batches.
 
 Statistics of the step (token counts per expert, the aux loss, tokens dropped)
 are buffers of this rank's tokens; `end_step` sums them over the ranks after the
@@ -68,7 +71,7 @@ class MoEConfig:
     bias_update: float = 3e-3      # aux-loss-free expert bias rate, logits per unit of relative load (0: off)
     capacity: float = 0.0          # capacity factor (0: dropless)
     activation: str = "swiglu"     # swiglu (Llama) or gelu (GPT, with biases)
-    batch_balance: int = 0         # rounds of per-sequence balancing while training (0: off)
+    batch_balance: int = 0         # rounds of per-micro-batch balancing while training (0: off)
     balanced: bool = False         # benchmarks only: round-robin experts instead of the router's choice
 
 
@@ -118,11 +121,10 @@ class Router(nn.Module):
         self.gate = nn.Linear(dim, cfg.n_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
 
-    def forward(self, x: torch.Tensor, batch: int = 1, seq_parts: StepSum | None = None):
-        """x (N, dim), N = batch x tokens -> weights (N, k) fp32, experts (N, k), scores
-        (N, E) fp32, and the router's own top-k (N, k): the experts unless `seq_parts`
-        is given (training, batch_balance > 0), the ranks holding the other tokens of
-        these sequences: each sequence's choice is then evened over all its tokens."""
+    def forward(self, x: torch.Tensor, step_sum: StepSum | None = None):
+        """x (N, dim) -> weights (N, k) fp32, experts (N, k), scores (N, E) fp32, and
+        the router's own top-k (N, k): the experts unless `step_sum` is given (and
+        batch_balance > 0), whose gathered tokens the choice is then evened over."""
         with torch.autocast(x.device.type, enabled=False):   # fp32 under autocast too
             logits = F.linear(x.float(), self.gate.weight.float())
         scores = logits.softmax(-1) if self.cfg.score == "softmax" else logits.sigmoid()
@@ -135,12 +137,12 @@ class Router(nn.Module):
             # router sharpens, so a bias on them moves fewer tokens the longer a run trains
             select = logits.detach() + self.expert_bias
             experts = own = select.topk(k, dim=-1).indices
-            if seq_parts is not None and self.cfg.batch_balance > 0:
-                # a bias per sequence, from all of its tokens: any cut of the batch routes alike
-                per_seq = select.view(batch, -1, select.shape[-1])
-                whole, _ = gather_seq(seq_parts, per_seq)
-                bias = batch_bias(whole, k, self.cfg.batch_balance)
-                experts = (per_seq + bias[:, None]).view_as(select).topk(k, dim=-1).indices
+            if step_sum is not None and self.cfg.batch_balance > 0:
+                # every rank gathers the same logits and finds the same bias: any layout routes alike
+                # (per micro-batch: balanced per sequence, the cut to a near-tie that fp32 rounding
+                # of the weights then flips was measured to move the losses more, docs/parallelism.md)
+                everyone, _ = step_sum.gather(select)
+                experts = (select + batch_bias(everyone, k, self.cfg.batch_balance)).topk(k, dim=-1).indices
         weights = scores.gather(-1, experts)
         if self.cfg.route_norm or self.cfg.score == "sigmoid":
             weights = weights / weights.sum(-1, keepdim=True)
@@ -284,7 +286,7 @@ class MoE(nn.Module):
         B, T, dim = h.shape
         E = self.cfg.n_experts
         x = h.reshape(-1, dim)
-        weights, experts, scores, own = self.router(x, B, self.seq_parts if self.training else None)
+        weights, experts, scores, own = self.router(x, self.step_sum if self.training else None)
         capacity = self.cfg.capacity if self.training else 0.0   # evaluation and generation keep every token
         if capacity > 0:   # decided over each whole sequence: the same drops under any layout
             keep = self._capacity_keep(weights.detach().view(B, T, -1), experts.view(B, T, -1), capacity)
