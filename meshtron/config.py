@@ -380,7 +380,8 @@ def parser(description: str | None = None, models=None) -> argparse.ArgumentPars
                         "launcher's world size) and exit (default: off)")
     p.add_argument("--layout", default=None, choices=("auto",),
                    help="auto: train with the planner's fastest layout that fits this world size, model, "
-                        "--seq-len and --global-batch (it sets --dp ... --micro-batch; docs/planner.md)")
+                        "--seq-len and --global-batch (it sets --dp ... --micro-batch; docs/planner.md) "
+                        "(default: the layout flags as given)")
     p.add_argument("--dry-run-ranks", default=None, metavar="R,R,...",
                    help="only these ranks of the dry run (default: all)")
     for section, cls in SECTIONS.items():

@@ -196,8 +196,9 @@ def test_a_small_job_shows_its_memory_and_no_nodes(capsys):
     # a tiny model printed 0.0 in every GiB column, and "2 x h200 (8 per node)" for two GPUs
     plan.main(["--model", "tiny", "--seq-len", "64", "--global-batch", "8", "--gpus", "2", "--top", "3"])
     out = capsys.readouterr().out
-    header, columns, *rows = out.splitlines()
+    header, calibration, columns, *rows = out.splitlines()
     assert "2 x h200: " in header and "per node" not in header, header
+    assert calibration.startswith("calibration: "), calibration
     assert columns.split()[4] == "MiB", columns     # "#", "step", "ms", "MFU", then memory
     assert all(float(r.split()[3]) > 0 for r in rows), out
 

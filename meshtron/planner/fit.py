@@ -20,7 +20,8 @@ import os
 import random
 import time
 
-from meshtron import Config, models
+from meshtron import models
+from meshtron.config import Config
 from meshtron.distributed.mesh import resolve_degrees
 from meshtron.planner import plan
 from meshtron.planner.hardware import Hardware, calibration_path

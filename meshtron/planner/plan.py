@@ -460,9 +460,6 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["calibrate"]:
-        from meshtron.planner.calibrate import main as calibrate
-        return calibrate(argv[1:])
     a = parser().parse_args(argv)
     if a.gpus > a.gpus_per_node and a.gpus % a.gpus_per_node:
         fits = max(d for d in range(1, a.gpus_per_node + 1) if a.gpus % d == 0)

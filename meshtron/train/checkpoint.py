@@ -285,11 +285,13 @@ def validate(path: str, config=None, verify_crc: bool = True, name: str | None =
         raise CheckpointError(f"{meta_path} is empty or not a meshtron checkpoint record")
     diff = _config_diff(meta, config) if config is not None else None
     if diff:   # before the files: a checkpoint of another model is refused, whole or not
-        there = meta.get("preset") or meta.get("model") or "another model"
-        here = f", this run trains {name}" if name else ""
-        raise ModelMismatch(f"checkpoint {path} is for another model: it holds {there}{here} ("
-                            + ", ".join(f"{k}={a!r} there, {b!r} here" for k, (a, b) in diff.items())
-                            + "); nothing was written")
+        there = meta.get("preset") or meta.get("model")
+        fields = ", ".join(f"{k}={a!r} there, {b!r} here" for k, (a, b) in diff.items())
+        if there:   # the models by name first, the fields that differ after
+            here = f", this run trains {name}" if name else ""
+            raise ModelMismatch(f"checkpoint {path} is for another model: it holds {there}{here} ({fields}); "
+                                "nothing was written")
+        raise ModelMismatch(f"checkpoint {path} is for another model: {fields}; nothing was written")
     for fname, info in meta["files"].items():
         fp = os.path.join(path, fname)
         if not os.path.isfile(fp):

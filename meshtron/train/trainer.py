@@ -359,14 +359,12 @@ class Trainer:
             for r, (ids, mem) in enumerate(per_rank):
                 host = " (host RSS)" if self.device.type == "cpu" else ""
                 self.log(f"rank {r} stages {ids}: peak mem {mem:.2f} GiB{host}")
-        measured = None
         if losses and dist.get_rank() == 0:   # beside the closing line: each run checks the planner's cost model
             float(losses[-1])   # the device done with the last step
             done = last - self.start
             measured = (time.perf_counter() - t_first) / (done - 1) if done > 1 else None
-        waited = self._finish_saves()
-        if losses and dist.get_rank() == 0:
             self.log(planned.comparison_line(c, dist.get_world_size(), self.microbatches, measured, self.device))
+        waited = self._finish_saves()   # its line, if any, then the closing one, which says it waited
         self._closing_line(losses, last, time.perf_counter() - t_start, waited)
         self.close()
         return [float(x) for x in losses]

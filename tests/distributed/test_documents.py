@@ -373,7 +373,7 @@ def test_the_log_counts_the_attention_the_mask_keeps_and_says_the_mask_is_on(poo
     for i in range(300):   # documents of ~20 bytes: a 64-token sample holds three or four
         (tmp_path / "docs" / f"{i}.py").write_text(f"x = {i} * {i}\nprint(x)\n")
     path = tmp_path / "m.jsonl"
-    out = pools.run(1, _logged, ARGS + ["--data", str(tmp_path / "docs"), "--metrics-file", str(path)])[0]
+    out = pools.run(1, _logged, ARGS + FLAGS + ["--data", str(tmp_path / "docs"), "--metrics-file", str(path)])[0]
     assert "| document mask on: attention FLOPs count the query-key pairs it keeps" in out.splitlines()[0], out
     step = next(line for line in out.splitlines() if line.startswith("step "))
     assert "/rank) | " in step and " GFLOP/s/rank | " in step, step    # the CPU has ranks, not GPUs
