@@ -237,14 +237,18 @@ def timed(step, batches, args, trainer) -> tuple[list, list, float, list[float]]
     return trace, loads, warmup_s, rounds
 
 
-def worst_over_ranks(step_s: float, device) -> tuple[float, float, float]:
-    """(step seconds, peak GiB allocated, peak GiB reserved), the largest over ranks."""
+def worst_over_ranks(step_s: float, device) -> tuple[float, float, float, list[float]]:
+    """(step seconds, peak GiB allocated, peak GiB reserved), the largest over ranks,
+    and each rank's peak GiB allocated (a pipeline's stages hold different amounts)."""
     cuda = device.type == "cuda"
     mem = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
     reserved = torch.cuda.max_memory_reserved(device) / 2**30 if cuda else float("nan")
-    worst = torch.tensor([step_s, mem, reserved], dtype=torch.float64, device=device)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return tuple(worst.tolist())
+    mine = torch.tensor([step_s, mem, reserved], dtype=torch.float64, device=device)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, mine)
+    every = torch.stack(parts)
+    worst = every.max(0).values.tolist()
+    return worst[0], worst[1], worst[2], [round(m, 3) for m in every[:, 1].tolist()]
 
 
 def bubble(result: dict, par, microbatches: int, world: int, device) -> None:
@@ -291,7 +295,7 @@ def measure(name: str, recipe_flags: list[str], args) -> dict:
     sdpa = next((o for o in opts if o in ("cudnn", "flash")), args.sdpa)
     trace, loads, warmup_s, rounds = timed(step, batches, args, trainer)
     losses, norms = ([round(float(t[k]), 5) for t in trace] for k in (0, 1))
-    step_s, mem, reserved = worst_over_ranks(statistics.median(rounds), device)
+    step_s, mem, reserved, mem_ranks = worst_over_ranks(statistics.median(rounds), device)
     tokens = trainer.global_batch * config.training.seq_len
     tps_gpu = tokens / step_s / world
     peak = peak_tflops(device)
@@ -301,7 +305,7 @@ def measure(name: str, recipe_flags: list[str], args) -> dict:
                   global_batch=trainer.global_batch, seq_len=config.training.seq_len, step_ms=step_s * 1e3,
                   step_ms_rounds=[r * 1e3 for r in rounds], tokens_per_s_per_gpu=tps_gpu,
                   tflops_per_gpu=tps_gpu * flops / 1e12, mfu=tps_gpu * flops / 1e12 / peak if peak else None,
-                  peak_mem_gib=mem, peak_reserved_gib=reserved, build_s=build_s, warmup_s=warmup_s,
+                  peak_mem_gib=mem, peak_mem_gib_ranks=mem_ranks, peak_reserved_gib=reserved, build_s=build_s, warmup_s=warmup_s,
                   loss_first=losses[0], loss_last=losses[-1], losses=losses, grad_norms=norms,
                   params=trainer.model_config.num_params(),
                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
