@@ -77,26 +77,34 @@ def measure(mode: str, recipe_flags: list[str], args) -> dict:
     for _ in range(args.warmup):
         trainer.step(*trainer.next_batch())
     sync(device)
-    step_s, in_flight, holds = [], [], []
+    step_s, in_flight, holds, writes = [], [], [], []
+    started = None   # when the save being written in the background was called
     for i in range(1, args.steps + 1):
         writing = trainer.saver is not None and trainer.saver.in_flight is not None
+        if started is not None and not writing:   # one entry per save on every rank, whenever each notices
+            writes[-1], started = time.perf_counter() - started, None
         t0 = time.perf_counter()
         trainer.step(*trainer.next_batch())
         sync(device)
         step_s.append(time.perf_counter() - t0)
         in_flight.append(writing)
-        if i % args.every == 0:
+        if i % args.every == 0 and len(holds) < args.max_saves:
             t0 = time.perf_counter()
             trainer.save_checkpoint(args.warmup + i)
             sync(device)
             holds.append(time.perf_counter() - t0)
+            if trainer.saver is not None:
+                started = t0
+                writes.append(0.0)
     t0 = time.perf_counter()
     if trainer.saver is not None:
         trainer.saver.wait()
     last_wait_s = time.perf_counter() - t0
+    if started is not None:
+        writes[-1] = time.perf_counter() - started
     check = check_async(trainer, total + 1) if trainer.saver is not None and args.check else None
     trainer.close()
-    step_s, holds = worst(step_s, device), worst(holds, device)
+    step_s, holds, writes = worst(step_s, device), worst(holds, device), worst(writes, device)
     # a step is in flight when any rank's writer was running as it started
     flags_any = worst([float(w) for w in in_flight], device)
     idle = [s for s, w in zip(step_s, flags_any) if not w]
@@ -105,6 +113,7 @@ def measure(mode: str, recipe_flags: list[str], args) -> dict:
                   flags=" ".join(recipe_flags), steps=args.steps, every=args.every,
                   step_ms=[s * 1e3 for s in step_s], in_flight=[bool(w) for w in flags_any],
                   hold_ms=[h * 1e3 for h in holds], last_wait_ms=last_wait_s * 1e3,
+                  write_s=writes,
                   step_ms_idle=statistics.median(idle) * 1e3 if idle else None,
                   step_ms_in_flight=statistics.median(busy) * 1e3 if busy else None,
                   hold_ms_median=statistics.median(holds) * 1e3 if holds else None, check=check,
@@ -167,7 +176,8 @@ def report(results: list[dict], out: str | None) -> None:
                                                     for s, w in zip(r["step_ms"], r["in_flight"]))
               + "   (* a background write in flight)")
         print(f"{r['mode']}: hold per save (ms) " + " ".join(f"{h:.0f}" for h in r["hold_ms"])
-              + (f"; waited {r['last_wait_ms']:.0f} ms for the last write" if r["mode"] == "async" else ""))
+              + (f"; waited {r['last_wait_ms']:.0f} ms for the last write; each write took (s) "
+                 + " ".join(f"{w:.1f}" for w in r["write_s"]) if r["mode"] == "async" else ""))
         if r.get("check"):
             print(f"{r['mode']}: check: {r['check']}")
     fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
@@ -193,6 +203,8 @@ def main():
     p.add_argument("--warmup", type=int, default=3, help="steps before the timed ones (compilation happens there)")
     p.add_argument("--steps", type=int, default=30, help="timed steps")
     p.add_argument("--every", type=int, default=10, help="steps between saves")
+    p.add_argument("--max-saves", type=int, default=1_000_000,
+                   help="saves at most (a large model's write can outlast the steps between saves)")
     p.add_argument("--dir", required=True, help="where the checkpoints go (a subdirectory per mode, removed after)")
     p.add_argument("--out", default=None, help="append the results to OUT/checkpoint.jsonl")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
