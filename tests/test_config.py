@@ -3,6 +3,9 @@ import pytest
 
 from meshtron import Config
 from meshtron.config import ConfigError, parser
+from meshtron.distributed import choices
+from meshtron.distributed.data_parallel import DTYPES
+from meshtron.distributed.pipeline_parallel import SCHEDULES
 from meshtron.models import PRESETS
 
 
@@ -59,3 +62,11 @@ def test_learning_rate_and_warmup_come_from_the_preset_unless_given(tmp_path):
     (tmp_path / "run.toml").write_text('[model]\nmodel = "llama-1B"\n[training]\nwarmup = 7\n')
     assert schedule("--config", str(tmp_path / "run.toml")) == (3e-4, 7)
     assert all(set(PRESETS[m].training) == set(PRESETS[m].presets) for m in PRESETS)
+
+
+def test_the_names_the_command_line_offers_are_those_the_code_maps():
+    # issue 44: the flags are checked before torch loads, so their names live in a torch-free
+    # module; the tables that map them to torch's objects are keyed by the same names
+    assert tuple(DTYPES) == choices.DTYPES and tuple(SCHEDULES) == choices.SCHEDULES
+    assert choices.SPLIT_BACKWARD <= choices.MULTI_STAGE <= set(choices.SCHEDULES)
+
