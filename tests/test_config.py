@@ -2,11 +2,11 @@
 import pytest
 
 from meshtron import Config
-from meshtron.config import ConfigError, parser
+from meshtron.config import ConfigError, parser, preset_training
 from meshtron.distributed import choices
 from meshtron.distributed.data_parallel import DTYPES
 from meshtron.distributed.pipeline_parallel import SCHEDULES
-from meshtron.models import PRESETS
+from meshtron.models import PRESETS, presets
 
 
 def test_print_config_reads_back_as_the_same_config(tmp_path, capsys):
@@ -70,3 +70,11 @@ def test_the_names_the_command_line_offers_are_those_the_code_maps():
     assert tuple(DTYPES) == choices.DTYPES and tuple(SCHEDULES) == choices.SCHEDULES
     assert choices.SPLIT_BACKWARD <= choices.MULTI_STAGE <= set(choices.SCHEDULES)
 
+
+def test_the_torch_free_preset_index_agrees_with_the_registry():
+    # issue 44: the recipe parses with meshtron.models.presets; tests and benchmarks pass the registry
+    assert list(presets.TRAINING) == list(PRESETS)
+    assert all(preset_training(presets.TRAINING, m) == preset_training(PRESETS, m) for m in PRESETS)
+    assert parser(models=presets.TRAINING).format_help() == parser(models=PRESETS).format_help()
+    assert Config.from_args(["--model", "llama-3B"], models=presets.TRAINING) == \
+        Config.from_args(["--model", "llama-3B"], models=PRESETS)
