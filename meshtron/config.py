@@ -6,7 +6,9 @@ TOML file with the same sections can hold any of it (`--config run.toml`; flags
 override the file; `--print-config` writes the resolved tree as such a file),
 and the same object is what a checkpoint stores as the run's layout. `validate`
 checks everything that needs no model and no process group, so a bad value is
-one clear sentence on every rank before anything communicates.
+one clear sentence on every rank before anything communicates. It imports no
+torch, nor anything that does: the recipe parses and checks the flags before torch
+loads (seconds on every rank), so a mistake shows at once.
 """
 from __future__ import annotations
 
@@ -20,18 +22,26 @@ import os
 import sys
 import tomllib
 from dataclasses import dataclass, field
+from importlib.metadata import version
 
-import torch
+from meshtron.distributed.choices import (
+    AXES,
+    DTYPES,
+    FP8_RECIPES,
+    RECOMPUTE_MODES,
+    SCHEDULES,
+    SPLIT_BACKWARD,
+    resolve_degrees,
+)
 
-from meshtron.distributed.data_parallel import DTYPES
-from meshtron.distributed.float8 import RECIPES as FP8_RECIPES
-from meshtron.distributed.mesh import AXES
-from meshtron.distributed.pipeline_parallel import SCHEDULES, SPLIT_BACKWARD
-from meshtron.distributed.recompute import MODES
+
+def _torch_version() -> str:
+    # the installed package's record: importing torch to ask it would cost what checking first saves
+    return version("torch")
 
 
 def _torch_before(major: int, minor: int) -> bool:
-    return tuple(int(v) for v in torch.__version__.split(".")[:2]) < (major, minor)
+    return tuple(int(v) for v in _torch_version().split(".")[:2]) < (major, minor)
 
 
 class ConfigError(ValueError):
@@ -91,19 +101,19 @@ class ParallelConfig:
     """ZeRO stage over the data-parallel axes (0 = DDP)"""
     hsdp: int = 1
     """HSDP replica groups (1 = plain FSDP)"""
-    pp_schedule: str = field(default="1f1b", metadata={"choices": tuple(SCHEDULES)})
+    pp_schedule: str = field(default="1f1b", metadata={"choices": SCHEDULES})
     """pipeline schedule"""
     pp_virtual: int = 1
     """virtual stages per pp rank (interleaved and zero-bubble schedules)"""
     microbatches: int | None = None
     """micro-batches per step (default: pp with pipelining, else the local batch / --micro-batch)"""
-    recompute: str = field(default="none", metadata={"choices": MODES})
+    recompute: str = field(default="none", metadata={"choices": RECOMPUTE_MODES})
     """activation recomputation (selective runs its policy in Python per op: pair it with --compile on a GPU)"""
     compile: bool = False
     """torch.compile each block"""
-    dtype: str = field(default="fp32", metadata={"choices": tuple(DTYPES)})
+    dtype: str = field(default="fp32", metadata={"choices": DTYPES})
     """compute dtype (master weights stay fp32)"""
-    reduce_dtype: str = field(default="fp32", metadata={"choices": tuple(DTYPES)})
+    reduce_dtype: str = field(default="fp32", metadata={"choices": DTYPES})
     """gradient reduction dtype"""
     fp8: str = field(default="none", metadata={"choices": FP8_RECIPES})
     ("""FP8 matmuls (torchao Float8Linear, with --dtype bf16): tensorwise or rowwise scales; what stays in the """
@@ -207,7 +217,8 @@ class Config:
     @staticmethod
     def from_args(argv=None, description: str | None = None, models=None) -> Config:
         """The command line over an optional --config file over the defaults.
-        `models`: the preset names --model accepts (meshtron.models.PRESETS)."""
+        `models`: the presets --model accepts (meshtron.models.PRESETS, or without torch
+        meshtron.models.presets.TRAINING: see preset_training)."""
         return Config.parse(argv, description, models)[0]
 
     @staticmethod
@@ -269,7 +280,7 @@ class Config:
             raise ConfigError("--sp (sequence parallelism) shards the sequence over tp ranks: it needs --tp > 1")
         if p.compile and p.pp > 1 and p.pp_schedule in SPLIT_BACKWARD and _torch_before(2, 13):
             raise ConfigError(f"--pp-schedule {p.pp_schedule} with --compile needs torch 2.13 or later: the split "
-                              f"backward of torch {torch.__version__} fails inside compiled blocks; use "
+                              f"backward of torch {_torch_version()} fails inside compiled blocks; use "
                               "interleaved-1f1b or leave out --compile")
         if p.async_tp and not p.sp:
             raise ConfigError("--async-tp overlaps sequence parallelism's all-gathers and reduce-scatters with "
@@ -288,7 +299,6 @@ class Config:
                               "give one")
         if c.resume == "auto" and not c.checkpoint_dir:
             raise ConfigError("--resume auto looks for checkpoints in --checkpoint-dir: give one")
-        from meshtron.distributed.mesh import resolve_degrees
         try:
             d = resolve_degrees(world_size, **p.degrees())
         except ValueError as e:
@@ -309,9 +319,13 @@ class Config:
 
 def preset_training(models, preset: str) -> dict:
     """The training settings a preset's family is trained with ({"lr": ..., "warmup": ...});
-    empty for an unknown preset or without the registry."""
-    spec = (models or {}).get(preset)
-    return dict(spec.training.get(preset, {})) if spec is not None else {}
+    empty for an unknown preset or without the registry. `models`: the registry (preset ->
+    ModelSpec, meshtron.models.PRESETS) or its torch-free index (preset -> these settings,
+    meshtron.models.presets.TRAINING), which the recipe parses with before torch loads."""
+    entry = (models or {}).get(preset)
+    if entry is None:
+        return {}
+    return dict(entry) if isinstance(entry, dict) else dict(entry.training.get(preset, {}))
 
 
 @functools.cache

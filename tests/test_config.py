@@ -2,8 +2,11 @@
 import pytest
 
 from meshtron import Config
-from meshtron.config import ConfigError, parser
-from meshtron.models import PRESETS
+from meshtron.config import ConfigError, parser, preset_training
+from meshtron.distributed import choices
+from meshtron.distributed.data_parallel import DTYPES
+from meshtron.distributed.pipeline_parallel import SCHEDULES
+from meshtron.models import PRESETS, presets
 
 
 def test_print_config_reads_back_as_the_same_config(tmp_path, capsys):
@@ -59,3 +62,19 @@ def test_learning_rate_and_warmup_come_from_the_preset_unless_given(tmp_path):
     (tmp_path / "run.toml").write_text('[model]\nmodel = "llama-1B"\n[training]\nwarmup = 7\n')
     assert schedule("--config", str(tmp_path / "run.toml")) == (3e-4, 7)
     assert all(set(PRESETS[m].training) == set(PRESETS[m].presets) for m in PRESETS)
+
+
+def test_the_names_the_command_line_offers_are_those_the_code_maps():
+    # issue 44: the flags are checked before torch loads, so their names live in a torch-free
+    # module; the tables that map them to torch's objects are keyed by the same names
+    assert tuple(DTYPES) == choices.DTYPES and tuple(SCHEDULES) == choices.SCHEDULES
+    assert choices.SPLIT_BACKWARD <= choices.MULTI_STAGE <= set(choices.SCHEDULES)
+
+
+def test_the_torch_free_preset_index_agrees_with_the_registry():
+    # issue 44: the recipe parses with meshtron.models.presets; tests and benchmarks pass the registry
+    assert list(presets.TRAINING) == list(PRESETS)
+    assert all(preset_training(presets.TRAINING, m) == preset_training(PRESETS, m) for m in PRESETS)
+    assert parser(models=presets.TRAINING).format_help() == parser(models=PRESETS).format_help()
+    assert Config.from_args(["--model", "llama-3B"], models=presets.TRAINING) == \
+        Config.from_args(["--model", "llama-3B"], models=PRESETS)

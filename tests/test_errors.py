@@ -168,6 +168,44 @@ def test_a_command_line_mistake_under_the_launcher_is_one_line_once(bad, message
                               f"(exit code 1): {message}"], out.stderr
 
 
+# `python recipes/train.py ARGS`, which at its end says whether torch was imported: the recipe ends
+# by os._exit (lifetime.one_line_errors), which runs no `finally` and no atexit, so the line is printed there
+_SAYS_IMPORTS = ("import os, runpy, sys\n"
+                 "_exit = os._exit\n"
+                 "def say_and_exit(code):\n"
+                 "    print('imported:', 'torch' in sys.modules, 'torch.distributed' in sys.modules, flush=True)\n"
+                 "    _exit(code)\n"
+                 "os._exit = say_and_exit\n"
+                 "sys.argv = sys.argv[1:]\n"
+                 "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+
+
+def _run_recipe_saying_imports(args):
+    return subprocess.run([sys.executable, "-c", _SAYS_IMPORTS, os.path.join(ROOT, "recipes", "train.py"), *args],
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("bad,message", [
+    (["--zero", "4"], "error: argument --zero: invalid choice: 4 (choose from 0, 1, 2, 3) (see --help)"),
+    (["--model", "gpt5"], "error: argument --model: invalid choice: 'gpt5' (choose from 'tiny', '125M',"),
+    (["--steps", "0"], "error: --steps must be at least 1, not 0"),
+    (["--tp", "2"], "error: pp*cp*tp*ep = 1*1*2*1 = 2 does not divide the world size 1: this is one process"),
+])
+def test_a_command_line_mistake_is_reported_before_torch_is_imported(bad, message):
+    # issue 44: importing torch takes seconds on every rank, which a mistake in the flags (argparse's,
+    # or Config.validate's against the world size) need not wait for
+    out = _run_recipe_saying_imports(TINY + bad)
+    assert out.returncode == 1 and out.stdout == "imported: False False\n", (out.stdout, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), out.stderr
+
+
+def test_a_good_command_trains_after_the_check():
+    out = _run_recipe_saying_imports(TINY)
+    assert out.returncode == 0, out.stderr
+    assert "done: 2 steps" in out.stdout and out.stdout.endswith("imported: True True\n"), out.stdout
+
+
 def test_a_resume_at_another_default_global_batch_says_why_once_and_what_to_pass(pools, tmp_path):
     # the default global batch is --micro-batch x the data-parallel ranks: dp2 makes 4, tp2 on the same
     # two ranks 2. One line from rank 0 (every rank found it), then the launcher's.

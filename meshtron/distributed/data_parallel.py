@@ -40,6 +40,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from meshtron.distributed.mesh import degree, submesh
 
+# the names the command line offers (choices.DTYPES; tests/test_config.py checks they agree)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

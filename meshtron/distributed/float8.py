@@ -43,7 +43,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
-RECIPES = ("none", "tensorwise", "rowwise")
+from meshtron.distributed.choices import FP8_RECIPES as RECIPES
+
 # the linears meshtron.parallelize leaves in the compute dtype unless told otherwise: output heads, routers
 DEFAULT_SKIP = ("output", "lm_head", "*router*")
 

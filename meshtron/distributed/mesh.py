@@ -21,45 +21,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-AXES = ("dp", "pp", "cp", "tp", "ep")
+from meshtron.distributed.choices import AXES, resolve_degrees  # the command line checks both before torch loads
+
 SUBMESHES = {
     "batch": ("dp", "ep"),
     "dense_dp": ("dp", "cp", "ep"),
     "expert_dp": ("dp", "cp"),
     "loss": ("dp", "cp", "ep"),
 }
-
-
-def resolve_degrees(world_size: int, dp: int = -1, pp: int = 1, cp: int = 1, tp: int = 1,
-                    ep: int = 1) -> dict[str, int]:
-    """Check the five degrees against the world size; dp=-1 takes what is left."""
-    degrees = dict(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep)
-    for name, d in degrees.items():
-        if not isinstance(d, int) or (d < 1 and not (name == "dp" and d == -1)):
-            raise ValueError(f"parallel degree {name}={d} must be a positive integer"
-                             + (" (or -1 for dp)" if name == "dp" else ""))
-    rest = pp * cp * tp * ep
-    if dp == -1:
-        if world_size % rest:
-            # a world of one is most often a script started without the launcher
-            alone = (f": this is one process; start {rest} ranks (or a multiple) with the launcher in front of the "
-                     f"same command, meshtron-run --nproc-per-node {rest} SCRIPT FLAGS") if world_size == 1 else ""
-            raise ValueError(f"pp*cp*tp*ep = {pp}*{cp}*{tp}*{ep} = {rest} does not divide the world size "
-                             f"{world_size}{alone}")
-        degrees["dp"] = world_size // rest
-    if degrees["dp"] * rest != world_size:
-        hint = ""
-        if world_size % rest == 0:
-            hint = f": with the other degrees as given, --dp {world_size // rest} fits"
-            if ep > 1 and dp > 1:   # torchtitan and Megatron carve ep out of the data-parallel ranks
-                hint += (f" (ep is an axis of its own here, not a part of dp: the batch is split over dp x ep, so "
-                         f"their --dp {world_size // rest * ep} --ep {ep} is --dp {world_size // rest} "
-                         f"--ep {ep})")
-        raise ValueError(
-            f"mesh dp*pp*cp*tp*ep = {degrees['dp']}*{pp}*{cp}*{tp}*{ep} = {degrees['dp'] * rest} "
-            f"does not equal the world size {world_size}{hint}"
-        )
-    return degrees
 
 
 def default_device_type() -> str:

@@ -38,12 +38,14 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.tensor import DTensor
 
+from meshtron.distributed.choices import MULTI_STAGE, SPLIT_BACKWARD
 from meshtron.distributed.mesh import degree
 from meshtron.distributed.reduce import reduce_partial_grads
 from meshtron.distributed.tied import TiedCopies
 from meshtron.distributed.user_pipeline import UserSplit
 from meshtron.distributed.user_split import user_stages  # noqa: F401 - split_model's partner, imported from here
 
+# the names the command line offers (choices.SCHEDULES; tests/test_config.py checks they agree)
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
@@ -51,11 +53,6 @@ SCHEDULES = {
     "zero-bubble": ScheduleInterleavedZeroBubble,
     "zbv": ScheduleZBVZeroBubble,
 }
-MULTI_STAGE = {"interleaved-1f1b", "zero-bubble", "zbv"}
-# weight gradients computed apart from input gradients (the W steps), outside FSDP's
-# backward hooks: with ZeRO 3 (parameters resharded after each forward) torch 2.13
-# loses some stages' weight gradients, so the config refuses the pair
-SPLIT_BACKWARD = {"zero-bubble", "zbv"}
 
 
 def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> float:

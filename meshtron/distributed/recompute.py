@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
-MODES = ("none", "full", "selective")
+from meshtron.distributed.choices import RECOMPUTE_MODES as MODES
 
 # FP8 (meshtron.distributed.float8): its matmuls are _scaled_mm, and saving the absolute maxima its
 # scales come from keeps a recomputed block from reducing them again (torchtitan saves them too)

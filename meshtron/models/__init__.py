@@ -2,42 +2,26 @@
 
     spec, config = meshtron.models.get("llama-1B")
 
-Adding a model: a folder with its SPEC, and one line in MODELS.
+Adding a model: a folder with its presets (config.py, no torch) and its SPEC
+(train_spec.py), one line in MODELS (registry.py) and one in presets.py.
+
+Each name below loads its module on first use (PEP 562), so that the command
+line reads meshtron.models.presets (and the folders' config.py) before torch
+loads; the registry imports every model, and torch with them.
 """
-from meshtron.models import gpt, llama
-from meshtron.models.common.moe import MoEConfig
-from meshtron.models.gpt import GPT, GPTConfig, gpt_config
-from meshtron.models.spec import ModelSpec, read_hf_config
+import importlib
 
-MODELS: dict[str, ModelSpec] = {"gpt": gpt.SPEC, "llama": llama.SPEC}
-PRESETS: dict[str, ModelSpec] = {preset: spec for spec in MODELS.values() for preset in spec.presets}
+_HOME = {"MODELS": "registry", "PRESETS": "registry", "from_checkpoint": "registry", "from_hf": "registry",
+         "get": "registry", "GPT": "gpt.model", "GPTConfig": "gpt.config", "gpt_config": "gpt.config",
+         "MoEConfig": "common.moe_config", "ModelSpec": "spec", "read_hf_config": "spec"}
 
 
-def from_hf(path: str):
-    """(spec, model config) of a Hugging Face model directory, by its config.json's model_type."""
-    d = read_hf_config(path)
-    for spec in MODELS.values():
-        if spec.hf is not None and spec.hf.MODEL_TYPE == d.get("model_type"):
-            return spec, spec.hf.from_hf_config(d)
-    known = [spec.hf.MODEL_TYPE for spec in MODELS.values() if spec.hf is not None]
-    raise ValueError(f"{path}/config.json has model_type {d.get('model_type')!r}; meshtron builds {known}")
-
-
-def from_checkpoint(meta: dict):
-    """(spec, model config) of a meshtron checkpoint's record (meshtron.json)."""
-    spec = MODELS[meta["model"]]
-    cls = type(next(iter(spec.presets.values())))
-    fields = {k: tuple(v) if isinstance(v, list) else MoEConfig(**v) if isinstance(v, dict) else v
-              for k, v in meta["config"].items()}
-    return spec, cls(**fields)
-
-
-def get(preset: str):
-    """(spec, preset config) of a preset name."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown model {preset!r}; known: {', '.join(PRESETS)}")
-    spec = PRESETS[preset]
-    return spec, spec.presets[preset]
+def __getattr__(name: str):
+    if name in ("gpt", "llama"):   # the model folders, which importing this package used to load
+        return importlib.import_module(f"{__name__}.{name}")
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
 
 
 __all__ = ["GPT", "GPTConfig", "MODELS", "ModelSpec", "PRESETS", "from_checkpoint", "from_hf", "get", "gpt_config"]

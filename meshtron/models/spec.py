@@ -1,10 +1,12 @@
 """What ties a model to the trainer (torchtitan's TrainSpec, smaller).
 
 A model folder (meshtron/models/<name>/) holds its plain-PyTorch model, its
-presets, its parallelize function, its layout checks, its pipeline split and
-its Hugging Face adapter, and exports one `SPEC`; the registry in
-meshtron/models/__init__.py maps preset names to specs. Adding a model touches
-its folder and that one line.
+presets (config.py, without torch), its parallelize function, its layout checks,
+its pipeline split and its Hugging Face adapter, and one `SPEC` (train_spec.py);
+the registry (meshtron/models/registry.py) maps preset names to specs, and
+meshtron/models/presets.py the same names to their training settings, for the
+command line before torch loads. Adding a model touches its folder and those two
+lines.
 
 What the trainer relies on, for every model:
 - the model config (a frozen dataclass) has `n_layers`, `vocab_size`,

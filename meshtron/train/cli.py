@@ -3,10 +3,12 @@
     python recipes/train.py --model tiny --steps 20                     # a world of one
     torchrun --nproc-per-node 4 recipes/train.py --dp 2 --tp 2 --steps 50
 
-`run` parses the flags (meshtron.config), starts the process group, trains
-(meshtron/train/trainer.py) and reports any problem of the user's as one line
-(lifetime.one_line_errors). `--dry-run` hands the config to the planner instead;
-`--layout auto` asks the planner for the layout first (meshtron.train.planned).
+`run` parses and checks the flags (meshtron.config) before anything imports
+torch, which takes seconds on every rank, so a mistake in them shows at once;
+then it starts the process group, trains (meshtron/train/trainer.py) and reports
+any problem of the user's as one line (lifetime.one_line_errors). `--dry-run`
+hands the config to the planner instead; `--layout auto` asks the planner for
+the layout first (meshtron.train.planned).
 
 Test hooks (environment, not flags): MESHTRON_EXIT_AFTER=N stops after N steps
 of this run (the schedule still spans --steps); MESHTRON_CRASH_AT_STEP=N kills
@@ -21,12 +23,9 @@ import os
 import sys
 import threading
 
-import torch.distributed as dist
-
-from meshtron import models
 from meshtron.config import Config, ConfigError
+from meshtron.models import presets
 from meshtron.train.lifetime import init_process_group, one_line_errors
-from meshtron.train.trainer import Trainer
 
 
 def _env_int(name: str) -> int | None:
@@ -65,8 +64,8 @@ def _hold_hook(rank: int):
 
 
 def main(argv=None, *, description: str | None = None, exit_after: int | None = None) -> list[float]:
-    """Parse, build, train; returns the losses. Used by recipes/train.py and tests."""
-    config, args = Config.parse(argv, description, models.PRESETS)
+    """Parse, check, build, train; returns the losses. Used by recipes/train.py and tests."""
+    config, args = Config.parse(argv, description, presets.TRAINING)
     if args.layout == "auto":   # the planner picks the layout before anything is built
         from meshtron.train import planned
         world = args.dry_run or _env_int("WORLD_SIZE") or 1
@@ -84,6 +83,14 @@ def main(argv=None, *, description: str | None = None, exit_after: int | None = 
         ranks = None if args.dry_run_ranks is None else [int(r) for r in args.dry_run_ranks.split(",")]
         dry_run(config, args.dry_run, ranks)
         return []
+    world = _env_int("WORLD_SIZE")
+    if world is not None:   # the launcher's (or one_line_errors' world of one); the Trainer checks again
+        config.validate(world)
+    # torch only now, with the flags checked: its import takes seconds on every rank
+    import torch.distributed as dist
+
+    from meshtron.train.trainer import Trainer
+
     created = not dist.is_initialized()
     init_process_group(config.training.pg_timeout)
     try:

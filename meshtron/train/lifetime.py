@@ -17,7 +17,10 @@ is free: the next run takes it and says whose it was.
 
 `init_process_group` starts the default process group with the job's timeout,
 after tying the worker to its agent; `one_line_errors` is a recipe's entry
-point, which turns a user's mistake into one line under torchrun too.
+point, which turns a user's mistake into one line under torchrun too. The
+module imports torch only inside those two, once they need it: a recipe loads it
+before parsing its flags, and a mistake in them shows without torch's seconds
+of import.
 """
 from __future__ import annotations
 
@@ -32,9 +35,6 @@ import socket
 import sys
 import threading
 import time
-
-import torch
-import torch.distributed as dist
 
 _PR_SET_PDEATHSIG = 1   # <linux/prctl.h>
 
@@ -91,6 +91,9 @@ def init_process_group(timeout_s: float) -> None:
     machine. A torchrun worker first ties its life to the agent's (die_with_agent);
     the agent keeps one store across restarts, so keys are prefixed by attempt:
     a restarted job must not read the addresses a dead attempt published."""
+    import torch
+    import torch.distributed as dist
+
     if dist.is_initialized():
         return
     backend = "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
@@ -202,6 +205,8 @@ def one_line_errors(fn, *args, **kwargs) -> None:
             with open(error_file, "w") as f:
                 json.dump({"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
         os._exit(1)   # skip the process group's teardown, which would wait for ranks that already left
+    import torch.distributed as dist  # loaded already by a run that got this far
+
     if dist.is_initialized():
         dist.destroy_process_group()
     # Skip the interpreter's teardown too. A gloo group that a mesh or a pipeline stage

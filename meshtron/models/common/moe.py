@@ -48,7 +48,6 @@ by, over the micro-batches of a step (each micro-batch's aux loss weighs
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -57,22 +56,7 @@ import torch.nn.functional as F
 
 from meshtron.distributed.counts import counts as expert_counts
 from meshtron.distributed.counts import host_counts
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    n_experts: int = 8
-    top_k: int = 2
-    hidden: int = 256              # each expert's MLP width
-    score: str = "softmax"         # router scores: softmax or sigmoid
-    route_norm: bool = True        # the chosen experts' weights renormalized to sum 1 (always for sigmoid)
-    n_shared: int = 0              # shared experts (a dense MLP of n_shared * hidden applied to every token)
-    aux_loss: float = 3e-2         # load-balancing loss coefficient (0: off)
-    bias_update: float = 3e-3      # aux-loss-free expert bias rate, logits per unit of relative load (0: off)
-    capacity: float = 0.0          # capacity factor (0: dropless)
-    activation: str = "swiglu"     # swiglu (Llama) or gelu (GPT, with biases)
-    batch_balance: int = 0         # rounds of per-micro-batch balancing while training (0: off)
-    balanced: bool = False         # benchmarks only: round-robin experts instead of the router's choice
+from meshtron.models.common.moe_config import MoEConfig, moe_param_count  # noqa: F401 - imported from here too
 
 
 class StepSum(nn.Module):
@@ -385,15 +369,6 @@ def step_loads(blocks: list[MoE]) -> torch.Tensor:
     """(layers, 2, E): each block's copies per expert in the last finished step, as
     run and as the router itself chose (before batch balancing)."""
     return torch.stack([m.last_step for m in blocks])
-
-
-def moe_param_count(dim: int, cfg: MoEConfig, active: bool = False) -> int:
-    """Parameters of one MoE block: all of them, or those one token uses (the router,
-    top_k experts, the shared experts), which is what its FLOPs count."""
-    def mlp(h):
-        return 3 * dim * h if cfg.activation == "swiglu" else 2 * dim * h + h + dim
-    experts = (cfg.top_k if active else cfg.n_experts) * mlp(cfg.hidden)
-    return dim * cfg.n_experts + experts + (mlp(cfg.n_shared * cfg.hidden) if cfg.n_shared else 0)
 
 
 def init_moe(moe: MoE, seed: int, prefix: str, std: float, out_std: float, normal, fill) -> None:

@@ -1,33 +1,22 @@
-"""meshtron's GPT (Megatron's): model, presets, layout, GPT-2 adapter."""
-from dataclasses import replace
+"""meshtron's GPT (Megatron's): model, presets, layout, GPT-2 adapter.
 
-from meshtron.models.gpt import hf
-from meshtron.models.gpt.model import GPT, PRESETS, GPTConfig, gpt_config
-from meshtron.models.gpt.parallelize import check_layout, parallelize_gpt, pipeline_split, tp_plan
-from meshtron.models.spec import ModelSpec, moe_overrides
+Each name below loads its module on first use (PEP 562): config.py imports no
+torch, and the command line reads the presets from it before torch loads
+(meshtron.config); the model, its layout and its spec (train_spec.py) do.
+"""
+import importlib
 
-
-def configure(preset: GPTConfig, options) -> GPTConfig:
-    """The preset with the user's model options (meshtron.config.ModelConfig)."""
-    overrides = {"fused_kernels": options.fused_kernels}
-    if options.untie_embeddings:
-        overrides["tie_embeddings"] = False
-    if options.vocab_size:
-        overrides["vocab_size"] = options.vocab_size
-    overrides.update(moe_overrides(preset, options))
-    if options.pos_emb:
-        overrides["pos_emb"] = options.pos_emb
-    return replace(preset, **overrides)
+_HOME = {"GPTConfig": "config", "PRESETS": "config", "TRAINING": "config", "gpt_config": "config",
+         "GPT": "model", "check_layout": "parallelize", "parallelize_gpt": "parallelize",
+         "pipeline_split": "parallelize", "tp_plan": "parallelize", "SPEC": "train_spec", "configure": "train_spec"}
 
 
-# GPT-3's peak learning rates by size (Brown et al. 2020, table 2.1) and its warm-up of 375M
-# tokens, in steps of 1M-token batches; the CI-sized presets keep a short warm-up
-TRAINING = {"tiny": dict(lr=1e-3, warmup=10), "gpt-moe-tiny": dict(lr=1e-3, warmup=10),
-            "125M": dict(lr=6e-4, warmup=375), "350M": dict(lr=3e-4, warmup=375), "1.3B": dict(lr=2e-4, warmup=375),
-            "2.7B": dict(lr=1.6e-4, warmup=375), "6.7B": dict(lr=1.2e-4, warmup=375)}
+def __getattr__(name: str):
+    if name == "hf":
+        return importlib.import_module(f"{__name__}.hf")
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
 
-SPEC = ModelSpec(name="gpt", model_cls=GPT, presets=PRESETS, configure=configure, check_layout=check_layout,
-                 parallelize=parallelize_gpt, pipeline_split=pipeline_split, tp_plan=tp_plan,
-                 hf=hf, training=TRAINING)
 
 __all__ = ["GPT", "GPTConfig", "PRESETS", "SPEC", "gpt_config"]

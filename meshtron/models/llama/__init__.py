@@ -1,34 +1,23 @@
 """A Llama-family model (RMSNorm, SwiGLU, RoPE with Llama 3 scaling, GQA): model,
-presets, layout, Hugging Face adapter."""
-from dataclasses import replace
+presets, layout, Hugging Face adapter.
 
-from meshtron.config import ConfigError
-from meshtron.models.llama import hf
-from meshtron.models.llama.model import PRESETS, Llama, LlamaConfig
-from meshtron.models.llama.parallelize import check_layout, parallelize_llama, pipeline_split, tp_plan
-from meshtron.models.spec import ModelSpec, moe_overrides
+Each name below loads its module on first use (PEP 562): config.py imports no
+torch, and the command line reads the presets from it before torch loads
+(meshtron.config); the model, its layout and its spec (train_spec.py) do.
+"""
+import importlib
 
-
-def configure(preset: LlamaConfig, options) -> LlamaConfig:
-    """The preset with the user's model options (meshtron.config.ModelConfig)."""
-    if options.pos_emb:
-        raise ConfigError("--pos-emb applies to GPT models; the Llama has rotary positions")
-    overrides = {"fused_kernels": options.fused_kernels}
-    if options.untie_embeddings:
-        overrides["tie_embeddings"] = False
-    if options.vocab_size:
-        overrides["vocab_size"] = options.vocab_size
-    overrides.update(moe_overrides(preset, options))
-    return replace(preset, **overrides)
+_HOME = {"LlamaConfig": "config", "PRESETS": "config", "TRAINING": "config", "LLAMA3_SCALING": "config",
+         "Llama": "model", "check_layout": "parallelize", "parallelize_llama": "parallelize",
+         "pipeline_split": "parallelize", "tp_plan": "parallelize", "SPEC": "train_spec", "configure": "train_spec"}
 
 
-# Llama 2's published schedule (peak 3e-4 after 2,000 warm-up steps; Llama 3 8B's peak is
-# 3e-4 too); the CI-sized presets keep a short warm-up for runs of tens of steps
-TRAINING = {name: dict(lr=1e-3, warmup=10) if name.endswith("tiny") else dict(lr=3e-4, warmup=2000)
-            for name in PRESETS}
+def __getattr__(name: str):
+    if name == "hf":
+        return importlib.import_module(f"{__name__}.hf")
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
 
-SPEC = ModelSpec(name="llama", model_cls=Llama, presets=PRESETS, configure=configure, check_layout=check_layout,
-                 parallelize=parallelize_llama, pipeline_split=pipeline_split, tp_plan=tp_plan,
-                 hf=hf, training=TRAINING)
 
 __all__ = ["Llama", "LlamaConfig", "PRESETS", "SPEC"]
