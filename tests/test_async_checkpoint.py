@@ -1,10 +1,11 @@
 """--checkpoint-async (issue 44, section 1): the state is copied to host memory, the
-loop goes on and a background thread writes it. What a blocking save guarantees
+loop goes on and a writer process of each rank writes it. What a blocking save guarantees
 must hold: the same checkpoint, tensor for tensor; exact resume; a save in flight
 when the job is killed never loads, and --resume auto takes the previous one; two
 saves never overlap; retention never removes the one being written; the directory's
-lock is held until the writer finishes; the closing line waits for the last save.
-Liveness is polled with a deadline; no timing is asserted."""
+lock is held until the writer finishes; the closing line waits for the last save; the
+write runs in another process, which a killed job does not leave behind. Liveness is
+polled with a deadline; no timing is asserted."""
 import contextlib
 import io
 import json
@@ -100,7 +101,7 @@ def test_async_saves_resume_exactly_under_other_layouts(pools, tmp_path, layout)
 
 
 def _slow_writes(rank, world, argv):
-    """Train with the background writer slowed down and watched: the write of step N
+    """Train with the background writes slowed down and watched: the write of step N
     waits until the loop has finished step N + 1 (where the run goes that far: the loop
     provably went on, and changed the weights and AdamW state in place), and records
     what it saw. Returns (the losses, the writes, what rank 0 printed)."""
@@ -110,13 +111,13 @@ def _slow_writes(rank, world, argv):
 
     config = Config.from_args(argv, models=models.PRESETS)
     root = config.checkpoint.checkpoint_dir
-    started, writes, real = {}, [], ac.dcp.save
+    started, writes, real = {}, [], ac.BackgroundSaver._write_shards
 
     def on_step(step):
         started.setdefault(step, threading.Event()).set()
 
-    def slow_save(sd, checkpoint_id, process_group=None):
-        step = int(checkpoint_id[-8:])
+    def slow_write(saver, staged, path):   # the saver's thread, before it hands the copy to the writer
+        step = int(path[-8:])
         seen = {"step": step, "start": time.monotonic(),
                 "complete": [os.path.basename(p) for p in checkpoint.list_checkpoints(root)]}
         if step + 2 <= config.training.steps:   # on_step(N + 2): step N + 1 has run
@@ -128,17 +129,17 @@ def _slow_writes(rank, world, argv):
             except DirectoryLocked:
                 seen["lock"] = "held"
         time.sleep(0.2)
-        real(sd, checkpoint_id=checkpoint_id, process_group=process_group)
+        real(saver, staged, path)
         seen["end"] = time.monotonic()
         writes.append(seen)
 
     printed = io.StringIO()
-    ac.dcp.save = slow_save
+    ac.BackgroundSaver._write_shards = slow_write
     try:
         with contextlib.redirect_stdout(printed):
             losses = Trainer(config).train(on_step=on_step)
     finally:
-        ac.dcp.save = real
+        ac.BackgroundSaver._write_shards = real
     return losses, writes, printed.getvalue()
 
 
