@@ -18,8 +18,9 @@ import time
 import pytest
 import torch
 from test_checkpoint import COMMON, LAYOUTS, run
-from test_job_lifetime import DP2, RECIPE, TINY, _children, _env, _kill_agent, _wait_for, _wait_for_line
+from test_job_lifetime import DP2, RECIPE, TINY, _alive, _children, _env, _kill_agent, _wait_for, _wait_for_line
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.tensor import DTensor
 
 from meshtron.models import GPT, gpt_config
 from meshtron.train import checkpoint
@@ -100,6 +101,52 @@ def test_async_saves_resume_exactly_under_other_layouts(pools, tmp_path, layout)
     assert first == straight[:4] and second == straight[3:]
 
 
+def _in_the_writer(rank, world, argv):
+    """Train with async saves while dcp.save refuses to run in this process. Returns
+    (this pid, the writer's pid and name, whether every tensor of the host copy is in
+    shared memory, the shapes of tensors a save sent by value, whether the writer is
+    gone after the run, the losses)."""
+    import meshtron.train.async_checkpoint as ac
+    from meshtron import Config, Trainer, models
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("dcp.save ran in the training process")
+
+    by_value, index, real = [], ac._Pickler.persistent_id, ac.dcp.save
+
+    def watched(pickler, obj):
+        found = index(pickler, obj)
+        if isinstance(obj, torch.Tensor) and found is None:
+            by_value.append(tuple(obj.shape))
+        return found
+
+    ac.dcp.save, ac._Pickler.persistent_id = refuse, watched
+    try:
+        trainer = Trainer(Config.from_args(argv, models=models.PRESETS), verbose=False)
+        pid = trainer.saver.writer_pid
+        deadline = time.monotonic() + 60            # it names itself first thing
+        while _name(pid) != "meshtron-writer" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        name = _name(pid)
+        losses = trainer.train()      # and closes the saver, which stops the writer
+    finally:
+        ac.dcp.save, ac._Pickler.persistent_id = real, index
+    shared = all((t.to_local() if isinstance(t, DTensor) else t).is_shared() for t in ac._tensors(trainer.saver._host))
+    return os.getpid(), pid, name, shared, by_value, not _alive(pid), losses
+
+
+def test_the_write_runs_in_a_writer_process_that_gets_the_copy_by_handle(pools, tmp_path):
+    argv = COMMON + LAYOUTS["dp2-zero3"][1] + ["--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3", *ASYNC]
+    straight = run(pools, "dp2-zero3")
+    for ours, writer, name, shared, by_value, gone, losses in pools.run(2, _in_the_writer, argv, timeout=300):
+        assert writer != ours and name == "meshtron-writer"
+        assert shared and by_value == []    # the host copy went once, as handles; saves send indices into it
+        assert gone and losses == straight
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == [
+        "step-00000003", "step-00000006"]
+    checkpoint.validate(str(tmp_path / "step-00000006"))
+
+
 def _slow_writes(rank, world, argv):
     """Train with the background writes slowed down and watched: the write of step N
     waits until the loop has finished step N + 1 (where the run goes that far: the loop
@@ -167,6 +214,19 @@ def test_saves_never_overlap_retention_spares_the_one_written_and_the_lock_waits
                for line in lines) == 3
 
 
+def _descendants(pid: int) -> list[int]:
+    children = _children(pid)
+    return children + [d for c in children for d in _descendants(c)]
+
+
+def _name(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads worker pids from /proc")
 def test_a_job_killed_while_a_save_is_written_resumes_from_the_previous_one_exactly(pools, tmp_path):
     # the write of step 6 is held (MESHTRON_HOLD_SAVE_AT_STEP) once every rank's shards are on disk,
@@ -190,7 +250,11 @@ def test_a_job_killed_while_a_save_is_written_resumes_from_the_previous_one_exac
             checkpoint.validate(str(tmp))
         workers = _children(agent.pid)
         assert len(workers) == 2, workers
+        writers = [p for w in workers for p in _descendants(w) if _name(p) == "meshtron-writer"]
+        assert len(writers) == 2, writers
         _kill_agent(agent, workers)
+        _wait_for(lambda: not any(map(_alive, writers)), "the writer processes end with their job",
+                  timeout=30)
     finally:
         agent.kill()
     assert checkpoint.latest_good(str(ck)) == (str(ck / "step-00000003"), [])

@@ -22,12 +22,14 @@ directory's lock and before its closing line, and `close` stops the writer proce
 
 Why a process: DCP's planning and serialization are Python, and a writer thread in
 this process took the GIL from a host-bound step loop: steps ran slower while a write
-was in flight (bench_checkpoint.py measures it). The writer process holds no GIL of ours; the state reaches
-it as shared-memory handles (torch.multiprocessing pickles a shared tensor as a
-handle, not its bytes), and the thread left here only waits on a pipe and on the
-barriers, and does rank 0's small publish. The writer never touches CUDA; it dies
-with this process (lifetime.die_with_parent: a killed job leaves no writer behind,
-and only rank 0's publish, here, ever renames a save into place).
+was in flight (bench_checkpoint.py measures it). The writer process holds no GIL of
+ours. The host copy's tensors reach it once, as shared-memory handles
+(torch.multiprocessing pickles a shared tensor as a file descriptor, not its bytes);
+each save then sends their indices in that copy and its few other values (the step,
+the data position). The thread left here waits on a pipe and on the barriers, and
+does rank 0's small publish. The writer never touches CUDA; it dies with this
+process (lifetime.die_with_parent: a killed job leaves no writer behind, and only
+rank 0's publish, here, ever renames a save into place).
 
 The groups: DCP's plan exchange runs among the writer processes, over a gloo group
 of theirs (the default group of each writer, rank for rank the job's); the thread's
@@ -42,6 +44,7 @@ take a port chosen for it).
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import pickle
 import signal
@@ -88,6 +91,7 @@ class BackgroundSaver:
         theirs.close()
         self.writer_pid = self._writer.pid
         self._host: dict | None = None        # the host copy, reused by every save
+        self._indices: dict[int, int] | None = None   # id -> index of its tensors, once the writer holds them
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._path: str | None = None         # the save in flight, or finished and not yet waited for
@@ -159,6 +163,7 @@ class BackgroundSaver:
         for fresh in (False, True):
             if self._host is None or fresh:
                 self._host = _create_cpu_state_dict(state, pin_memory=cuda, share_memory=True)
+                self._indices = None
             try:
                 staged = _copy_state_dict(state, self._host, non_blocking=cuda, type_check=False)
                 break
@@ -185,9 +190,18 @@ class BackgroundSaver:
             self._error = e
 
     def _write_shards(self, staged: dict, path: str) -> None:
-        """This rank's shards of `staged` into `path`, by the writer process (dcp.save)."""
+        """This rank's shards of `staged` into `path`, by the writer process (dcp.save).
+        The host copy's tensors go to the writer once, as shared-memory handles (a file
+        descriptor each); a save then sends its other values and, for each tensor, its
+        index in the copy the writer holds."""
         try:
-            self._conn.send((staged, path))
+            if self._indices is None:
+                tensors = list(_tensors(self._host))
+                self._conn.send(("copy", tensors))
+                self._indices = {id(t): i for i, t in enumerate(tensors)}
+            data = io.BytesIO()
+            _Pickler(data, self._indices).dump(staged)
+            self._conn.send(("save", data.getvalue(), path))
             error = self._conn.recv()
         except (EOFError, OSError) as e:
             self._writer.join(timeout=5)
@@ -202,8 +216,8 @@ class BackgroundSaver:
 
 
 def _serve(conn, addr: str, port: int, rank: int, world: int, timeout_s: float) -> None:
-    """The writer process: joins the writers' group, then writes each (state, path) it
-    is sent with dcp.save and answers None or the error, until None or the pipe's end."""
+    """The writer process: joins the writers' group, then writes each state it is sent
+    with dcp.save and answers None or the error, until None or the pipe's end."""
     lifetime.die_with_parent("the checkpoint writer's fork server")   # which ends with the training process
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a Ctrl-C is the training process's to handle
     try:
@@ -211,7 +225,7 @@ def _serve(conn, addr: str, port: int, rank: int, world: int, timeout_s: float) 
             f.write("meshtron-writer")
     except OSError:
         pass
-    joined = None
+    joined, host = None, []
     try:
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
@@ -225,16 +239,44 @@ def _serve(conn, addr: str, port: int, rank: int, world: int, timeout_s: float) 
             return
         if request is None:
             return
-        staged, path = request
+        if request[0] == "copy":   # the tensors of a new host copy
+            host = request[1]
+            continue
         try:
             if joined is not None:
                 raise joined
-            dcp.save(staged, checkpoint_id=path, process_group=dist.group.WORLD)
+            staged = _Unpickler(io.BytesIO(request[1]), host).load()
+            dcp.save(staged, checkpoint_id=request[2], process_group=dist.group.WORLD)
             error = None
         except Exception as e:  # noqa: BLE001 - sent back, raised from wait()
             error = _sendable(e)
-        del staged, request
+        staged = request = None
         conn.send(error)
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles a tensor of the host copy as its index in the copy."""
+
+    def __init__(self, file, indices: dict[int, int]):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.indices = indices
+
+    def persistent_id(self, obj):
+        if isinstance(obj, torch.Tensor):
+            if id(obj) in self.indices:
+                return self.indices[id(obj)]
+            if obj.device.type != "cpu":   # the writer must not touch CUDA
+                raise checkpoint.CheckpointError(f"a {obj.device} tensor outside the host copy")
+        return None
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file, host: list):
+        super().__init__(file)
+        self.host = host
+
+    def persistent_load(self, index: int):
+        return self.host[index]
 
 
 def _sendable(e: Exception) -> Exception:
