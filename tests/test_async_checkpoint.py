@@ -147,6 +147,30 @@ def test_the_write_runs_in_a_writer_process_that_gets_the_copy_by_handle(pools, 
     checkpoint.validate(str(tmp_path / "step-00000006"))
 
 
+def _a_failed_write(rank, world, blocked):
+    """A write into a path the writer cannot make: what wait() would raise, and whether
+    close stops the writer."""
+    from meshtron.train.async_checkpoint import BackgroundSaver
+
+    saver = BackgroundSaver(timeout_s=60)
+    try:
+        saver._write_shards({"w": torch.ones(3)}, os.path.join(blocked, "ck"))
+        raised = None
+    except BaseException as e:  # noqa: BLE001 - the test reads it
+        raised = (type(e).__name__, str(e), "".join(getattr(e, "__notes__", [])))
+    saver.close()
+    return raised, saver.writer_pid, _alive(saver.writer_pid)
+
+
+def test_the_writers_error_is_raised_here_and_close_stops_the_writer(pools, tmp_path):
+    blocked = tmp_path / "a-file"       # a directory cannot be made under it
+    blocked.write_text("")
+    raised, pid, alive = pools.run(1, _a_failed_write, str(blocked))[0]
+    assert raised is not None and str(blocked) in raised[1] + raised[2], raised
+    assert f"in the checkpoint writer process (pid {pid})" in raised[1] + raised[2], raised
+    assert not alive
+
+
 def _slow_writes(rank, world, argv):
     """Train with the background writes slowed down and watched: the write of step N
     waits until the loop has finished step N + 1 (where the run goes that far: the loop

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import datetime
 import io
+import logging
 import os
 import pickle
 import signal
@@ -62,7 +63,8 @@ from meshtron.train import checkpoint, lifetime
 # A writer is started by a fork server: one interpreter per training process, which
 # imports these once; each writer is then a fork of it (milliseconds), where "spawn"
 # costs a fresh interpreter and `import torch` per writer (seconds), and "fork" of a
-# process with CUDA or gloo threads is unsafe.
+# process with CUDA or gloo threads is unsafe. As with spawn, a writer imports the
+# main module: a script that trains needs the `if __name__ == "__main__":` guard.
 _PRELOAD = ["torch", "torch.distributed.checkpoint", __name__]
 
 
@@ -79,15 +81,15 @@ class BackgroundSaver:
         port = [self._store.port if rank == 0 else None]
         if self.group is not None:
             dist.broadcast_object_list(port, src=0, group=self.group)
-        # The writer starts now, not at the first save: its start (the fork server's
-        # `import torch`, the first time) and its group's rendezvous then overlap the
-        # set-up and the first steps instead of holding the step that saves first.
+        # The writer starts here, not at the first save: its start (the first time in a
+        # process, a fork server that imports torch: seconds) lengthens the set-up, not
+        # the step that saves first, and the writers' group forms while the first steps run.
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(_PRELOAD)   # where this process starts the fork server
         self._conn, theirs = ctx.Pipe()
         self._writer = ctx.Process(target=_serve, args=(theirs, addr, port[0], rank, world, timeout_s),
                                    name=f"meshtron-writer-{rank}", daemon=True)
-        self._writer.start()   # from the main thread
+        self._writer.start()
         theirs.close()
         self.writer_pid = self._writer.pid
         self._host: dict | None = None        # the host copy, reused by every save
@@ -142,17 +144,16 @@ class BackgroundSaver:
         error); safe to repeat."""
         if self._thread is not None:
             self._thread.join()
-        if self._writer is None:
+        if self._conn.closed:
             return
-        writer, self._writer = self._writer, None
         try:
             self._conn.send(None)
         except OSError:   # already gone
             pass
-        writer.join(timeout=10)
-        if writer.is_alive():   # stuck, e.g. in a collective with a writer that failed
-            writer.kill()
-            writer.join()
+        self._writer.join(timeout=10)
+        if self._writer.is_alive():   # stuck, e.g. in a collective with a writer that failed
+            self._writer.kill()
+            self._writer.join()
         self._conn.close()
         self._store = None
 
@@ -220,6 +221,9 @@ def _serve(conn, addr: str, port: int, rank: int, world: int, timeout_s: float) 
     with dcp.save and answers None or the error, until None or the pipe's end."""
     lifetime.die_with_parent("the checkpoint writer's fork server")   # which ends with the training process
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a Ctrl-C is the training process's to handle
+    # a DTensor's mesh arrives without the job's process groups, and torch warns of each
+    # group it does not find here: DCP needs only the mesh's coordinates
+    logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
     try:
         with open("/proc/self/comm", "w") as f:    # `ps -o pid,comm` names it
             f.write("meshtron-writer")
@@ -248,7 +252,7 @@ def _serve(conn, addr: str, port: int, rank: int, world: int, timeout_s: float) 
             staged = _Unpickler(io.BytesIO(request[1]), host).load()
             dcp.save(staged, checkpoint_id=request[2], process_group=dist.group.WORLD)
             error = None
-        except Exception as e:  # noqa: BLE001 - sent back, raised from wait()
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is one: sent back, raised from wait()
             error = _sendable(e)
         staged = request = None
         conn.send(error)
@@ -279,7 +283,7 @@ class _Unpickler(pickle.Unpickler):
         return self.host[index]
 
 
-def _sendable(e: Exception) -> Exception:
+def _sendable(e: BaseException) -> BaseException:
     """`e` with the writer's traceback as a note, or a RuntimeError that says it where
     `e` cannot be pickled."""
     where = f"in the checkpoint writer process (pid {os.getpid()}):\n" + "".join(traceback.format_exception(e))
