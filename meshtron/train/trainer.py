@@ -314,7 +314,7 @@ class Trainer:
     def train(self, exit_after: int | None = None, on_step=None, before_publish=None) -> list[float]:
         """Train to --steps (or `exit_after` steps of this run); returns the losses.
         `on_step(step)`, if given, runs before each step, `before_publish(step)` in the
-        background writer before a save is renamed into place (the command line's test
+        background save's thread before a save is renamed into place (the command line's test
         hooks)."""
         c, tr, ck = self.config, self.config.training, self.config.checkpoint
         if exit_after is not None and exit_after < 1:
