@@ -27,7 +27,7 @@ ours. The host copy's tensors reach it once, as shared-memory handles
 (torch.multiprocessing pickles a shared tensor as a file descriptor, not its bytes);
 each save then sends their indices in that copy and its few other values (the step,
 the data position). The thread left here waits on a pipe and on the barriers, and
-does rank 0's small publish. The writer never touches CUDA; it dies with this
+does rank 0's small publish. The writer sees no GPU; it dies with this
 process (lifetime.die_with_parent: a killed job leaves no writer behind, and only
 rank 0's publish, here, ever renames a save into place).
 
@@ -221,6 +221,7 @@ def _serve(conn, addr: str, port: int, rank: int, world: int, timeout_s: float) 
     with dcp.save and answers None or the error, until None or the pipe's end."""
     lifetime.die_with_parent("the checkpoint writer's fork server")   # which ends with the training process
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a Ctrl-C is the training process's to handle
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""   # the copy is in host memory: no CUDA context (GPU memory) here
     # a DTensor's mesh arrives without the job's process groups, and torch warns of each
     # group it does not find here: DCP needs only the mesh's coordinates
     logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
