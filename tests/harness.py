@@ -39,6 +39,10 @@ class RankError(RuntimeError):
 
 
 def _worker(rank: int, world_size: int, store_path: str, conn) -> None:
+    # A daemon to the parent, which kills it at exit, but not to itself: a rank may start
+    # processes of its own (--checkpoint-async's writer), which multiprocessing refuses
+    # a daemon. They end with the rank.
+    mp.current_process().daemon = False
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world_size)

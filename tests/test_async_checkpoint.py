@@ -1,10 +1,11 @@
 """--checkpoint-async (issue 44, section 1): the state is copied to host memory, the
-loop goes on and a background thread writes it. What a blocking save guarantees
+loop goes on and a writer process of each rank writes it. What a blocking save guarantees
 must hold: the same checkpoint, tensor for tensor; exact resume; a save in flight
 when the job is killed never loads, and --resume auto takes the previous one; two
 saves never overlap; retention never removes the one being written; the directory's
-lock is held until the writer finishes; the closing line waits for the last save.
-Liveness is polled with a deadline; no timing is asserted."""
+lock is held until the writer finishes; the closing line waits for the last save; the
+write runs in another process, which a killed job does not leave behind. Liveness is
+polled with a deadline; no timing is asserted."""
 import contextlib
 import io
 import json
@@ -17,8 +18,9 @@ import time
 import pytest
 import torch
 from test_checkpoint import COMMON, LAYOUTS, run
-from test_job_lifetime import DP2, RECIPE, TINY, _children, _env, _kill_agent, _wait_for, _wait_for_line
+from test_job_lifetime import DP2, RECIPE, TINY, _alive, _children, _env, _kill_agent, _wait_for, _wait_for_line
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.tensor import DTensor
 
 from meshtron.models import GPT, gpt_config
 from meshtron.train import checkpoint
@@ -99,8 +101,78 @@ def test_async_saves_resume_exactly_under_other_layouts(pools, tmp_path, layout)
     assert first == straight[:4] and second == straight[3:]
 
 
+def _in_the_writer(rank, world, argv):
+    """Train with async saves while dcp.save refuses to run in this process. Returns
+    (this pid, the writer's pid and name, whether every tensor of the host copy is in
+    shared memory, the shapes of tensors a save sent by value, whether the writer is
+    gone after the run, the losses)."""
+    import meshtron.train.async_checkpoint as ac
+    from meshtron import Config, Trainer, models
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("dcp.save ran in the training process")
+
+    by_value, index, real = [], ac._Pickler.persistent_id, ac.dcp.save
+
+    def watched(pickler, obj):
+        found = index(pickler, obj)
+        if isinstance(obj, torch.Tensor) and found is None:
+            by_value.append(tuple(obj.shape))
+        return found
+
+    ac.dcp.save, ac._Pickler.persistent_id = refuse, watched
+    try:
+        trainer = Trainer(Config.from_args(argv, models=models.PRESETS), verbose=False)
+        pid = trainer.saver.writer_pid
+        deadline = time.monotonic() + 60            # it names itself first thing
+        while _name(pid) != "meshtron-writer" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        name = _name(pid)
+        losses = trainer.train()      # and closes the saver, which stops the writer
+    finally:
+        ac.dcp.save, ac._Pickler.persistent_id = real, index
+    shared = all((t.to_local() if isinstance(t, DTensor) else t).is_shared() for t in ac._tensors(trainer.saver._host))
+    return os.getpid(), pid, name, shared, by_value, not _alive(pid), losses
+
+
+def test_the_write_runs_in_a_writer_process_that_gets_the_copy_by_handle(pools, tmp_path):
+    argv = COMMON + LAYOUTS["dp2-zero3"][1] + ["--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3", *ASYNC]
+    straight = run(pools, "dp2-zero3")
+    for ours, writer, name, shared, by_value, gone, losses in pools.run(2, _in_the_writer, argv, timeout=300):
+        assert writer != ours and name == "meshtron-writer"
+        assert shared and by_value == []    # the host copy went once, as handles; saves send indices into it
+        assert gone and losses == straight
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == [
+        "step-00000003", "step-00000006"]
+    checkpoint.validate(str(tmp_path / "step-00000006"))
+
+
+def _a_failed_write(rank, world, blocked):
+    """A write into a path the writer cannot make: what wait() would raise, and whether
+    close stops the writer."""
+    from meshtron.train.async_checkpoint import BackgroundSaver
+
+    saver = BackgroundSaver(timeout_s=60)
+    try:
+        saver._write_shards({"w": torch.ones(3)}, os.path.join(blocked, "ck"))
+        raised = None
+    except BaseException as e:  # noqa: BLE001 - the test reads it
+        raised = (type(e).__name__, str(e), "".join(getattr(e, "__notes__", [])))
+    saver.close()
+    return raised, saver.writer_pid, _alive(saver.writer_pid)
+
+
+def test_the_writers_error_is_raised_here_and_close_stops_the_writer(pools, tmp_path):
+    blocked = tmp_path / "a-file"       # a directory cannot be made under it
+    blocked.write_text("")
+    raised, pid, alive = pools.run(1, _a_failed_write, str(blocked))[0]
+    assert raised is not None and str(blocked) in raised[1] + raised[2], raised
+    assert f"in the checkpoint writer process (pid {pid})" in raised[1] + raised[2], raised
+    assert not alive
+
+
 def _slow_writes(rank, world, argv):
-    """Train with the background writer slowed down and watched: the write of step N
+    """Train with the background writes slowed down and watched: the write of step N
     waits until the loop has finished step N + 1 (where the run goes that far: the loop
     provably went on, and changed the weights and AdamW state in place), and records
     what it saw. Returns (the losses, the writes, what rank 0 printed)."""
@@ -110,13 +182,13 @@ def _slow_writes(rank, world, argv):
 
     config = Config.from_args(argv, models=models.PRESETS)
     root = config.checkpoint.checkpoint_dir
-    started, writes, real = {}, [], ac.dcp.save
+    started, writes, real = {}, [], ac.BackgroundSaver._write_shards
 
     def on_step(step):
         started.setdefault(step, threading.Event()).set()
 
-    def slow_save(sd, checkpoint_id, process_group=None):
-        step = int(checkpoint_id[-8:])
+    def slow_write(saver, staged, path):   # the saver's thread, before it hands the copy to the writer
+        step = int(path[-8:])
         seen = {"step": step, "start": time.monotonic(),
                 "complete": [os.path.basename(p) for p in checkpoint.list_checkpoints(root)]}
         if step + 2 <= config.training.steps:   # on_step(N + 2): step N + 1 has run
@@ -128,17 +200,17 @@ def _slow_writes(rank, world, argv):
             except DirectoryLocked:
                 seen["lock"] = "held"
         time.sleep(0.2)
-        real(sd, checkpoint_id=checkpoint_id, process_group=process_group)
+        real(saver, staged, path)
         seen["end"] = time.monotonic()
         writes.append(seen)
 
     printed = io.StringIO()
-    ac.dcp.save = slow_save
+    ac.BackgroundSaver._write_shards = slow_write
     try:
         with contextlib.redirect_stdout(printed):
             losses = Trainer(config).train(on_step=on_step)
     finally:
-        ac.dcp.save = real
+        ac.BackgroundSaver._write_shards = real
     return losses, writes, printed.getvalue()
 
 
@@ -166,6 +238,19 @@ def test_saves_never_overlap_retention_spares_the_one_written_and_the_lock_waits
                for line in lines) == 3
 
 
+def _descendants(pid: int) -> list[int]:
+    children = _children(pid)
+    return children + [d for c in children for d in _descendants(c)]
+
+
+def _name(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads worker pids from /proc")
 def test_a_job_killed_while_a_save_is_written_resumes_from_the_previous_one_exactly(pools, tmp_path):
     # the write of step 6 is held (MESHTRON_HOLD_SAVE_AT_STEP) once every rank's shards are on disk,
@@ -189,7 +274,11 @@ def test_a_job_killed_while_a_save_is_written_resumes_from_the_previous_one_exac
             checkpoint.validate(str(tmp))
         workers = _children(agent.pid)
         assert len(workers) == 2, workers
+        writers = [p for w in workers for p in _descendants(w) if _name(p) == "meshtron-writer"]
+        assert len(writers) == 2, writers
         _kill_agent(agent, workers)
+        _wait_for(lambda: not any(map(_alive, writers)), "the writer processes end with their job",
+                  timeout=30)
     finally:
         agent.kill()
     assert checkpoint.latest_good(str(ck)) == (str(ck / "step-00000003"), [])

@@ -5,10 +5,12 @@
    copy below is free to be overwritten);
 2. makes `.tmp-step-N` (checkpoint.begin_save: the same directory as a blocking save);
 3. copies the training state into host memory: one host copy of this rank's state,
-   allocated at the first save and reused (pinned where the state lives on a GPU,
-   the copies queued on the current stream, so the loop is not held for them);
-4. starts a thread that writes the copy with DCP, over a gloo group of its own, and
-   returns: the loop goes on.
+   allocated at the first save and reused, in shared memory (pinned where the state
+   lives on a GPU, the copies queued on the current stream, so the loop is not held
+   for them);
+4. starts a thread that waits for those copies, hands the copy to this rank's writer
+   process, which writes it with DCP, and waits for its answer; save returns: the
+   loop goes on.
 The thread then meets the other ranks' at a barrier (every rank's shards are on disk)
 and rank 0 records, renames and prunes exactly as a blocking save does
 (checkpoint.publish), then one more barrier. Until that rename the save is a
@@ -16,33 +18,82 @@ and rank 0 records, renames and prunes exactly as a blocking save does
 while a write is in flight resumes from the previous checkpoint. Retention runs in
 that thread, after the rename, while no other save is in flight: it never touches
 the one being written. The Trainer waits for the writer before it releases the
-directory's lock and before its closing line.
+directory's lock and before its closing line, and `close` stops the writer process.
 
-The group: DCP's plan exchange and the barriers run in the thread while the step's
-collectives run in the main thread, and one process group must never carry two
-streams of collectives at once (their order would differ between ranks). So the
-saver makes one gloo group over all ranks when it is built (a collective call, at
-the same point of every rank's set-up), and uses it for nothing else.
+Why a process: DCP's planning and serialization are Python, and a writer thread in
+this process took the GIL from a host-bound step loop: steps ran slower while a write
+was in flight (bench_checkpoint.py measures it). The writer process holds no GIL of
+ours. The host copy's tensors reach it once, as shared-memory handles
+(torch.multiprocessing pickles a shared tensor as a file descriptor, not its bytes);
+each save then sends their indices in that copy and its few other values (the step,
+the data position). The thread left here waits on a pipe and on the barriers, and
+does rank 0's small publish. The writer sees no GPU; it dies with this
+process (lifetime.die_with_parent: a killed job leaves no writer behind, and only
+rank 0's publish, here, ever renames a save into place).
+
+The groups: DCP's plan exchange runs among the writer processes, over a gloo group
+of theirs (the default group of each writer, rank for rank the job's); the thread's
+barriers run here while the step's collectives run in the main thread, and one
+process group must never carry two streams of collectives at once (their order
+would differ between ranks). So the saver makes one gloo group over all ranks when
+it is built (a collective call, at the same point of every rank's set-up), uses it
+for nothing else, and over it tells every rank where the writers meet: a store that
+rank 0 serves on a port the kernel picked (no window in which another program can
+take a port chosen for it).
 """
 from __future__ import annotations
 
+import datetime
+import io
+import logging
 import os
+import pickle
+import signal
 import threading
+import traceback
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
 from torch.distributed._state_dict_utils import CompanionMismatch, _copy_state_dict, _create_cpu_state_dict
 
-from meshtron.train import checkpoint
+from meshtron.train import checkpoint, lifetime
+
+# A writer is started by a fork server: one interpreter per training process, which
+# imports these once; each writer is then a fork of it (milliseconds), where "spawn"
+# costs a fresh interpreter and `import torch` per writer (seconds), and "fork" of a
+# process with CUDA or gloo threads is unsafe. As with spawn, a writer imports the
+# main module: a script that trains needs the `if __name__ == "__main__":` guard.
+_PRELOAD = ["torch", "torch.distributed.checkpoint", __name__]
 
 
 class BackgroundSaver:
-    """Checkpoints written by a background thread; one in flight at a time."""
+    """Checkpoints written by a background process; one in flight at a time."""
 
-    def __init__(self):
+    def __init__(self, timeout_s: float = 600):
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        self._store = (dist.TCPStore(addr, 0, world, is_master=True, wait_for_workers=False, timeout=timeout)
+                       if rank == 0 else None)   # port 0: the kernel picks a free one
+        port = [self._store.port if rank == 0 else None]
+        if self.group is not None:
+            dist.broadcast_object_list(port, src=0, group=self.group)
+        # The writer starts here, not at the first save: its start (the first time in a
+        # process, a fork server that imports torch: seconds) lengthens the set-up, not
+        # the step that saves first, and the writers' group forms while the first steps run.
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)   # where this process starts the fork server
+        self._conn, theirs = ctx.Pipe()
+        self._writer = ctx.Process(target=_serve, args=(theirs, addr, port[0], rank, world, timeout_s),
+                                   name=f"meshtron-writer-{rank}", daemon=True)
+        self._writer.start()
+        theirs.close()
+        self.writer_pid = self._writer.pid
         self._host: dict | None = None        # the host copy, reused by every save
+        self._indices: dict[int, int] | None = None   # id -> index of its tensors, once the writer holds them
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._path: str | None = None         # the save in flight, or finished and not yet waited for
@@ -58,7 +109,7 @@ class BackgroundSaver:
         """Stage root/step-<step> and start writing it; returns its final path (which
         exists once `wait` returns). `record`: checkpoint.publish's keywords (config,
         layout, model, preset, tokenizer). `before_publish(step)`, if given, runs in the
-        writer on every rank once every rank's shards are on disk, before rank 0
+        saver's thread on every rank once every rank's shards are on disk, before rank 0
         renames them into place (a test's way to hold a write in flight)."""
         self.wait()
         checkpoint._stored(record.get("config"))     # before any collective: a bad config fails alone
@@ -88,13 +139,32 @@ class BackgroundSaver:
             return None
         return self.wait()
 
+    def close(self) -> None:
+        """Stop the writer process, after the save in flight (`wait` first to see its
+        error); safe to repeat."""
+        if self._thread is not None:
+            self._thread.join()
+        if self._conn.closed:
+            return
+        try:
+            self._conn.send(None)
+        except OSError:   # already gone
+            pass
+        self._writer.join(timeout=10)
+        if self._writer.is_alive():   # stuck, e.g. in a collective with a writer that failed
+            self._writer.kill()
+            self._writer.join()
+        self._conn.close()
+        self._store = None
+
     def _stage(self, state: dict) -> tuple[dict, torch.cuda.Event | None]:
         """A host copy of `state` (tensors copied into the cached buffers, everything else
         copied by value) and, on a GPU, the event after which the copies are complete."""
         cuda = any(t.device.type == "cuda" for t in _tensors(state))
         for fresh in (False, True):
             if self._host is None or fresh:
-                self._host = _create_cpu_state_dict(state, pin_memory=cuda)
+                self._host = _create_cpu_state_dict(state, pin_memory=cuda, share_memory=True)
+                self._indices = None
             try:
                 staged = _copy_state_dict(state, self._host, non_blocking=cuda, type_check=False)
                 break
@@ -109,8 +179,8 @@ class BackgroundSaver:
     def _write(self, staged: dict, copied, root: str, step: int, keep: int, record: dict, before_publish) -> None:
         try:
             if copied is not None:
-                copied.synchronize()
-            dcp.save(staged, checkpoint_id=os.path.join(root, f".tmp-step-{step:08d}"), process_group=self.group)
+                copied.synchronize()             # the writer reads the copy only once it is complete
+            self._write_shards(staged, os.path.join(root, f".tmp-step-{step:08d}"))
             self._barrier()                      # every rank's shards are on disk
             if before_publish is not None:
                 before_publish(step)
@@ -120,9 +190,110 @@ class BackgroundSaver:
         except BaseException as e:  # noqa: BLE001 - handed to the main thread by wait()
             self._error = e
 
+    def _write_shards(self, staged: dict, path: str) -> None:
+        """This rank's shards of `staged` into `path`, by the writer process (dcp.save).
+        The host copy's tensors go to the writer once, as shared-memory handles (a file
+        descriptor each); a save then sends its other values and, for each tensor, its
+        index in the copy the writer holds."""
+        try:
+            if self._indices is None:
+                tensors = list(_tensors(self._host))
+                self._conn.send(("copy", tensors))
+                self._indices = {id(t): i for i, t in enumerate(tensors)}
+            data = io.BytesIO()
+            _Pickler(data, self._indices).dump(staged)
+            self._conn.send(("save", data.getvalue(), path))
+            error = self._conn.recv()
+        except (EOFError, OSError) as e:
+            self._writer.join(timeout=5)
+            raise checkpoint.CheckpointError(f"the checkpoint writer process (pid {self.writer_pid}) is gone "
+                                             f"(exit code {self._writer.exitcode})") from e
+        if error is not None:
+            raise error
+
     def _barrier(self) -> None:
         if self.group is not None:
             dist.barrier(group=self.group)
+
+
+def _serve(conn, addr: str, port: int, rank: int, world: int, timeout_s: float) -> None:
+    """The writer process: joins the writers' group, then writes each state it is sent
+    with dcp.save and answers None or the error, until None or the pipe's end."""
+    lifetime.die_with_parent("the checkpoint writer's fork server")   # which ends with the training process
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # a Ctrl-C is the training process's to handle
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""   # the copy is in host memory: no CUDA context (GPU memory) here
+    # a DTensor's mesh arrives without the job's process groups, and torch warns of each
+    # group it does not find here: DCP needs only the mesh's coordinates
+    logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
+    try:
+        with open("/proc/self/comm", "w") as f:    # `ps -o pid,comm` names it
+            f.write("meshtron-writer")
+    except OSError:
+        pass
+    joined, host = None, []
+    try:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - the answer to every request
+        joined = e
+    while True:
+        try:
+            request = conn.recv()
+        except EOFError:   # the training process closed its end, or is gone
+            return
+        if request is None:
+            return
+        if request[0] == "copy":   # the tensors of a new host copy
+            host = request[1]
+            continue
+        try:
+            if joined is not None:
+                raise joined
+            staged = _Unpickler(io.BytesIO(request[1]), host).load()
+            dcp.save(staged, checkpoint_id=request[2], process_group=dist.group.WORLD)
+            error = None
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is one: sent back, raised from wait()
+            error = _sendable(e)
+        staged = request = None
+        conn.send(error)
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles a tensor of the host copy as its index in the copy."""
+
+    def __init__(self, file, indices: dict[int, int]):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.indices = indices
+
+    def persistent_id(self, obj):
+        if isinstance(obj, torch.Tensor):
+            if id(obj) in self.indices:
+                return self.indices[id(obj)]
+            if obj.device.type != "cpu":   # the writer must not touch CUDA
+                raise checkpoint.CheckpointError(f"a {obj.device} tensor outside the host copy")
+        return None
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file, host: list):
+        super().__init__(file)
+        self.host = host
+
+    def persistent_load(self, index: int):
+        return self.host[index]
+
+
+def _sendable(e: BaseException) -> BaseException:
+    """`e` with the writer's traceback as a note, or a RuntimeError that says it where
+    `e` cannot be pickled."""
+    where = f"in the checkpoint writer process (pid {os.getpid()}):\n" + "".join(traceback.format_exception(e))
+    try:
+        e.add_note(where)
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001
+        return RuntimeError(f"{type(e).__name__}: {e}\n{where}")
 
 
 def _tensors(obj):
@@ -134,4 +305,3 @@ def _tensors(obj):
     elif isinstance(obj, (list, tuple)):
         for v in obj:
             yield from _tensors(v)
-

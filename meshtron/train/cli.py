@@ -50,7 +50,7 @@ def _crash_hook(rank: int):
 
 
 def _hold_hook(rank: int):
-    """MESHTRON_HOLD_SAVE_AT_STEP: the background writer of that step never finishes."""
+    """MESHTRON_HOLD_SAVE_AT_STEP: the background save of that step never finishes."""
     at = _env_int("MESHTRON_HOLD_SAVE_AT_STEP")
     if at is None:
         return None

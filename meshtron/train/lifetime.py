@@ -8,7 +8,8 @@ checkpoints into a directory that the next job then shares with them.
 agent) goes: Linux's prctl(PR_SET_PDEATHSIG); elsewhere a thread polls the
 parent pid. SIGKILL because a worker stuck in a collective runs no Python signal
 handler; it cannot leave a half-written checkpoint, since `checkpoint.save`
-makes a save visible by one rename once it is whole.
+makes a save visible by one rename once it is whole. `die_with_parent` does the
+same for any process (--checkpoint-async's writer dies with its parent).
 
 `DirectoryLock` is an flock on `<dir>/.lock` for the run's life; the file holds
 the holder's host, pid and start time, for the message that refuses a second run.
@@ -52,12 +53,20 @@ def die_with_agent(poll_s: float = 1.0, use_prctl: bool = True) -> str | None:
     fails to reach the agent's rendezvous store and exits."""
     if not under_torchrun():
         return None
-    agent = os.getppid()
+    return die_with_parent("the torchrun agent", poll_s, use_prctl)
+
+
+def die_with_parent(parent_is: str = "the parent process", poll_s: float = 1.0, use_prctl: bool = True) -> str:
+    """Make this process die (SIGKILL) when its parent process dies: die_with_agent's
+    mechanism, for any process (the checkpoint writer, meshtron/train/async_checkpoint.py).
+    `parent_is` names the parent in the line printed where the watchdog sees it go."""
+    parent = os.getppid()
     if use_prctl and _set_pdeathsig(signal.SIGKILL):
-        if os.getppid() != agent:   # the agent died between reading its pid and the prctl
-            _die(agent)
+        if os.getppid() != parent:   # the parent died between reading its pid and the prctl
+            _die(parent, parent_is)
         return "prctl"
-    threading.Thread(target=_watch, args=(agent, poll_s), name="meshtron-die-with-agent", daemon=True).start()
+    threading.Thread(target=_watch, args=(parent, poll_s, parent_is), name="meshtron-die-with-parent",
+                     daemon=True).start()
     return "watchdog"
 
 
@@ -71,15 +80,15 @@ def _set_pdeathsig(sig: int) -> bool:
         return False
 
 
-def _watch(agent: int, poll_s: float) -> None:
+def _watch(parent: int, poll_s: float, parent_is: str) -> None:
     stop = threading.Event()   # never set: a sleep that a daemon thread may be cut off in
-    while os.getppid() == agent:
+    while os.getppid() == parent:
         stop.wait(poll_s)
-    _die(agent)
+    _die(parent, parent_is)
 
 
-def _die(agent: int) -> None:
-    print(f"meshtron: the torchrun agent (pid {agent}) is gone; this worker (pid {os.getpid()}) stops",
+def _die(parent: int, parent_is: str) -> None:
+    print(f"meshtron: {parent_is} (pid {parent}) is gone; this worker (pid {os.getpid()}) stops",
           file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 

@@ -68,14 +68,15 @@ class Trainer:
             raise
 
     def close(self) -> None:
-        """Wait for a background save, release the checkpoint directory and close the
-        run's logs; safe to repeat."""
+        """Wait for a background save and stop its writer process, release the checkpoint
+        directory and close the run's logs; safe to repeat."""
         if self.saver is not None:
             writing = self.saver.in_flight
             try:
                 self._saved(self.saver.wait())
             except Exception as e:  # noqa: BLE001 - closing after another error: say it, release the lock
                 self.log(f"the background save of {writing} failed: {e}")
+            self.saver.close()
         if self.run_log is not None:
             self.run_log.close()
         if self.lock is not None:
@@ -107,7 +108,8 @@ class Trainer:
             self._import_weights()
         self.loss_fn = layout_loss(self.mesh, c.parallel, self.device, self.parts)
         if c.checkpoint.checkpoint_async and c.checkpoint.checkpoint_dir:
-            self.saver = BackgroundSaver()   # its own process group: made here, on every rank
+            # its own process group and writer processes: made here, on every rank
+            self.saver = BackgroundSaver(c.training.pg_timeout)
         self.moe_stats = None   # the last step's routing statistics (mixture-of-experts models)
         if self.pipeline is not None:
             self.pipeline.build_schedule(self.loss_fn, pipeline_io(self.model_config, c, self.mesh),
@@ -312,7 +314,7 @@ class Trainer:
     def train(self, exit_after: int | None = None, on_step=None, before_publish=None) -> list[float]:
         """Train to --steps (or `exit_after` steps of this run); returns the losses.
         `on_step(step)`, if given, runs before each step, `before_publish(step)` in the
-        background writer before a save is renamed into place (the command line's test
+        background save's thread before a save is renamed into place (the command line's test
         hooks)."""
         c, tr, ck = self.config, self.config.training, self.config.checkpoint
         if exit_after is not None and exit_after < 1:
