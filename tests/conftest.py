@@ -27,3 +27,31 @@ def pools():
     p = Pools()
     yield p
     p.close()
+
+
+def _cpu_ticks() -> tuple[int, int]:
+    """(busy, idle) clock ticks of every core since boot (/proc/stat)."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:]]
+    idle = ticks[3] + ticks[4]   # idle, iowait
+    return sum(ticks) - idle, idle
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """MESHTRON_TEST_CPU=FILE: one JSON line per test with its wall seconds and the machine's
+    busy and idle CPU seconds over it (a test whose cores sat idle waits rather than computes:
+    where the suite's time goes, for keeping it short)."""
+    path = os.environ.get("MESHTRON_TEST_CPU")
+    if not path or not os.path.exists("/proc/stat"):
+        yield
+        return
+    import json
+    import time
+    hz = os.sysconf("SC_CLK_TCK")
+    (busy0, idle0), t0 = _cpu_ticks(), time.perf_counter()
+    yield
+    (busy1, idle1), t1 = _cpu_ticks(), time.perf_counter()
+    with open(path, "a") as f:
+        f.write(json.dumps({"test": item.nodeid, "wall_s": round(t1 - t0, 2), "busy_cpu_s": (busy1 - busy0) / hz,
+                            "idle_cpu_s": (idle1 - idle0) / hz}) + "\n")
