@@ -50,12 +50,18 @@ def test_step_time_and_memory_within_the_measured(key):
 def test_the_measured_data_covers_the_issues_layouts_and_says_where_each_comes_from():
     rows = fit.read_rows(ROWS)
     assert all(r.get("source") and r["step_ms"] > 0 and r["world"] in (2, 4) for r in rows)
-    flags = {r["flags"] for r in rows}
-    for layout in ("--dp 4 --zero 3 --micro-batch 16", "--tp 4 --sp --micro-batch 16",
-                   "--dp 2 --tp 2 --sp --zero 3 --micro-batch 16", "--pp 2 --tp 2 --sp --microbatches 8 --compile",
-                   "--dp 2 --tp 2 --sp --zero 1 --compile"):
-        assert any(layout in f for f in flags), layout
-    assert any("llama-8B" in f for f in flags)
+    def options(flags: str) -> dict:
+        words = flags.split()
+        return {w: (words[i + 1] if i + 1 < len(words) and not words[i + 1].startswith("--") else True)
+                for i, w in enumerate(words) if w.startswith("--")}
+    measured = [options(r["flags"]) for r in rows if not r.get("excluded")]
+    # issue 43's layouts, tensor-parallel ones measured again after the compiled loss parallel
+    # (6b9aaf5; dp2 x tp2 at micro-batch 16 then at ZeRO-1, its ZeRO-3 row not again)
+    for layout in ("--dp 4 --zero 3 --micro-batch 16", "--tp 4 --sp --micro-batch 16 --compile",
+                   "--dp 2 --tp 2 --sp --micro-batch 16 --compile", "--pp 2 --tp 2 --sp --microbatches 8 --compile",
+                   "--dp 2 --tp 2 --sp --zero 1 --micro-batch 4 --compile", "--model llama-8B --dp 4 --zero 3"):
+        want = options(layout)
+        assert any(want.items() <= m.items() for m in measured), layout
     assert sum(1 for r in rows if not r.get("excluded")) >= 15
 
 
