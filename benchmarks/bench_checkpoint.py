@@ -90,6 +90,9 @@ def measure(mode: str, recipe_flags: list[str], args) -> dict:
         in_flight.append(writing)
         if i % args.every == 0 and len(holds) < args.max_saves:
             t0 = time.perf_counter()
+            if started is not None:   # the previous write still runs: the save waits for it (part of its hold)
+                trainer.saver.wait()
+                writes[-1], started = time.perf_counter() - started, None
             trainer.save_checkpoint(args.warmup + i)
             sync(device)
             holds.append(time.perf_counter() - t0)

@@ -22,7 +22,7 @@ import os
 import sys
 import tomllib
 from dataclasses import dataclass, field
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 
 from meshtron.distributed.choices import (
     AXES,
@@ -36,8 +36,15 @@ from meshtron.distributed.choices import (
 
 
 def _torch_version() -> str:
-    # the installed package's record: importing torch to ask it would cost what checking first saves
-    return version("torch")
+    # the running torch where it is loaded; else the installed package's record (importing
+    # torch to ask it would cost what checking first saves)
+    if "torch" in sys.modules:
+        return sys.modules["torch"].__version__
+    try:
+        return version("torch")
+    except PackageNotFoundError:   # torch from a source tree on the path: ask it
+        import torch
+        return torch.__version__
 
 
 def _torch_before(major: int, minor: int) -> bool:

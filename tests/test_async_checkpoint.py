@@ -171,6 +171,37 @@ def test_the_writers_error_is_raised_here_and_close_stops_the_writer(pools, tmp_
     assert not alive
 
 
+def _short_of_shared_memory(rank, world):
+    """Rank 1's /dev/shm too small for the host copy: what each rank's first save check raises."""
+    import meshtron.train.async_checkpoint as ac
+
+    saver = ac.BackgroundSaver(timeout_s=60)
+    real = ac.os.statvfs
+
+    def small(path):
+        st = real(path)
+        return os.statvfs_result((st.f_bsize, 4096, st.f_blocks, 1, 1) + tuple(st)[5:])   # 4 KiB free
+    if rank == 1:
+        ac.os.statvfs = small
+    try:
+        saver._check_shared_memory({"w": torch.ones(1 << 16)})
+        raised = None
+    except ValueError as e:
+        raised = (type(e).__name__, str(e), getattr(e, "all_ranks", False))
+    finally:
+        ac.os.statvfs = real
+        saver.close()
+    return raised
+
+
+def test_a_host_copy_that_dev_shm_cannot_hold_is_refused_on_every_rank(pools):
+    # a tmpfs written past its size ends the process by SIGBUS, without a word
+    for rank, raised in enumerate(pools.run(2, _short_of_shared_memory, timeout=300)):
+        assert raised is not None and raised[0] == "CheckpointError" and raised[2], raised
+        assert "/dev/shm" in raised[1] and "--shm-size" in raised[1], raised
+        assert ("this rank's node" if rank == 1 else "another rank's node") in raised[1], raised
+
+
 def _slow_writes(rank, world, argv):
     """Train with the background writes slowed down and watched: the write of step N
     waits until the loop has finished step N + 1 (where the run goes that far: the loop

@@ -57,6 +57,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch.distributed._state_dict_utils import CompanionMismatch, _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from meshtron.train import checkpoint, lifetime
 
@@ -81,6 +83,7 @@ class BackgroundSaver:
         port = [self._store.port if rank == 0 else None]
         if self.group is not None:
             dist.broadcast_object_list(port, src=0, group=self.group)
+        _raise_open_files_limit()   # before the fork server starts: the writer inherits it
         # The writer starts here, not at the first save: its start (the first time in a
         # process, a fork server that imports torch: seconds) lengthens the set-up, not
         # the step that saves first, and the writers' group forms while the first steps run.
@@ -113,8 +116,11 @@ class BackgroundSaver:
         renames them into place (a test's way to hold a write in flight)."""
         self.wait()
         checkpoint._stored(record.get("config"))     # before any collective: a bad config fails alone
+        state = checkpoint.saved_state(parts, optimizer, scheduler, loader, step, names)
+        if self._host is None:
+            self._check_shared_memory(state)
         final, _ = checkpoint.begin_save(root, step)
-        staged, copied = self._stage(checkpoint.saved_state(parts, optimizer, scheduler, loader, step, names))
+        staged, copied = self._stage(state)
         self._path, self.started = final, self.started + 1
         self._thread = threading.Thread(target=self._write, name=f"meshtron-save-{step}", daemon=True,
                                         args=(staged, copied, root, step, keep, record, before_publish))
@@ -156,6 +162,32 @@ class BackgroundSaver:
             self._writer.join()
         self._conn.close()
         self._store = None
+
+    def _check_shared_memory(self, state: dict) -> None:
+        """Refuse, on every rank at once, a host copy that /dev/shm cannot hold: a tmpfs
+        written past its size ends the process with SIGBUS, without a word (a container's
+        default /dev/shm is 64 MiB). This node's ranks are counted as holding this rank's
+        share each."""
+        need = sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in _tensors(state))
+        need *= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        try:
+            st = os.statvfs("/dev/shm")
+            free = st.f_bavail * st.f_frsize
+        except OSError:   # no /dev/shm to ask (not Linux): torch says what fails, if anything
+            free = need
+        ok = torch.tensor([float(free >= need), need / 2**30, free / 2**30])
+        if self.group is not None:
+            worst = ok.clone()
+            dist.all_reduce(worst, op=dist.ReduceOp.MIN, group=self.group)
+            ok[0] = worst[0]
+        if not ok[0]:
+            error = checkpoint.CheckpointError(
+                f"--checkpoint-async keeps a copy of the training state in shared memory (/dev/shm): "
+                f"{ok[1]:.1f} GiB on this node, and /dev/shm has {ok[2]:.1f} GiB free on "
+                f"{'this' if free < need else 'another'} rank's node; give it more (docker run --shm-size, "
+                "a Kubernetes memory-backed emptyDir on /dev/shm) or save without --checkpoint-async")
+            error.all_ranks = True   # every rank refuses at the same point
+            raise error
 
     def _stage(self, state: dict) -> tuple[dict, torch.cuda.Event | None]:
         """A host copy of `state` (tensors copied into the cached buffers, everything else
@@ -208,6 +240,15 @@ class BackgroundSaver:
             self._writer.join(timeout=5)
             raise checkpoint.CheckpointError(f"the checkpoint writer process (pid {self.writer_pid}) is gone "
                                              f"(exit code {self._writer.exitcode})") from e
+        if isinstance(error, CheckpointException):
+            # a BaseException, which one_line_errors would not catch; DCP gathers every
+            # rank's failure and raises it on every rank, so it is said once
+            failed = checkpoint.CheckpointError(f"the background save to {path} failed in the writer process "
+                                                f"(pid {self.writer_pid}): {_first_line(error)}")
+            failed.all_ranks = True
+            for note in getattr(error, "__notes__", []):   # the writer's traceback, for a reader of the whole error
+                failed.add_note(note)
+            raise failed from error
         if error is not None:
             raise error
 
@@ -294,6 +335,25 @@ def _sendable(e: BaseException) -> BaseException:
         return e
     except Exception:  # noqa: BLE001
         return RuntimeError(f"{type(e).__name__}: {e}\n{where}")
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return lines[0] if lines else type(e).__name__
+
+
+def _raise_open_files_limit() -> None:
+    """Each tensor of the host copy is shared as a file descriptor, in this process and in
+    the writer: a model's state can pass the usual soft limit of 1,024 open files. Raise
+    it to the hard limit, as the system allows any process to."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20),
+                                                        hard))
+    except (ImportError, ValueError, OSError):   # not POSIX, or not allowed: torch's error says it, if it comes
+        pass
 
 
 def _tensors(obj):

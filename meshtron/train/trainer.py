@@ -70,18 +70,21 @@ class Trainer:
     def close(self) -> None:
         """Wait for a background save and stop its writer process, release the checkpoint
         directory and close the run's logs; safe to repeat."""
-        if self.saver is not None:
-            writing = self.saver.in_flight
-            try:
-                self._saved(self.saver.wait())
-            except Exception as e:  # noqa: BLE001 - closing after another error: say it, release the lock
-                self.log(f"the background save of {writing} failed: {e}")
-            self.saver.close()
-        if self.run_log is not None:
-            self.run_log.close()
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
+        try:
+            if self.saver is not None:
+                writing = self.saver.in_flight
+                try:
+                    self._saved(self.saver.wait())
+                except Exception as e:  # noqa: BLE001 - closing after another error: say it, release the lock
+                    self.log(f"the background save of {writing} failed: {e}")
+                finally:
+                    self.saver.close()
+        finally:   # whatever the save did (an interrupt too), the logs close and the lock goes
+            if self.run_log is not None:
+                self.run_log.close()
+            if self.lock is not None:
+                self.lock.release()
+                self.lock = None
 
     # ---- set-up ----------------------------------------------------------------------
 
