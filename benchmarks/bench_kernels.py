@@ -80,7 +80,7 @@ def liger(module: str, name: str):
         return None
 
 
-def wall_ms(fn, reps: int = 5) -> float:
+def wall_ms(fn, reps: int = 2) -> float:
     """--smoke: median wall time of fn() in ms (CPU; no numbers worth keeping)."""
     fn()
     ts = []
