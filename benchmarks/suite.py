@@ -181,8 +181,8 @@ SUITES = {
              tt("torchtitan moe balanced", 1, "moe_1gpu", **TT_MOE_BALANCED),
              mt("moe, forced balanced", 1, "1gpu", MOE + ["--global-batch", "4", "--moe-balanced-routing"],
                 "torchtitan moe balanced")],
-    # two GPUs: ZeRO-1 (one gradient reduction after the backward), ZeRO-2 (the dense gradients reduce-scattered
-    # during it, as torchtitan's FSDP does), and both sides compiled
+    # two GPUs: ZeRO-1 and ZeRO-2 (alike at one micro-batch a step; ZeRO-2 reduce-scatters each micro-batch's
+    # gradients where there are several), and both sides compiled
     "ep2": [tt("torchtitan dp2 x ep2", 2, "moe_ep2_2gpu"),
             mt("--ep 2 --zero 1", 2, "ep2", MOE + ["--global-batch", "8"], "torchtitan dp2 x ep2"),
             mt("--ep 2 --zero 2", 2, "ep2", MOE + ["--global-batch", "8", "--zero", "2"], "torchtitan dp2 x ep2"),
