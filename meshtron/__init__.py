@@ -8,8 +8,9 @@ optimizer, checkpoints and a safetensors export.
 Each name loads its module on first use (PEP 562): importing the package imports
 no torch, so the recipe can check its flags before torch's seconds of import.
 """
-import importlib
 import logging
+
+from meshtron._lazy import lazy
 
 
 class _ImportNoise(logging.Filter):
@@ -74,14 +75,7 @@ _HOME = {  # name -> (module, its name there)
 _SUBMODULES = ("config", "data", "distributed", "models", "train")
 
 
-def __getattr__(name: str):
-    if name in _SUBMODULES:
-        return importlib.import_module(f"{__name__}.{name}")
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module, attr = _HOME[name]
-    return getattr(importlib.import_module(module), attr)
-
+__getattr__, __dir__ = lazy(__name__, _HOME, _SUBMODULES)
 
 __all__ = ["AXES", "SUBMESHES", "BatchLoader", "Config", "ParallelConfig", "Trainer", "batch_slice",
            "build_optimizer", "check_pipeline", "clip_grad_norm_", "cross_entropy_sum", "degree",

@@ -148,3 +148,14 @@ def test_torchaos_kernel_load_failures_are_dropped_only_without_cuda():
     assert kept(meshtron._ImportNoise(cuda=False), "a message about the run")
     installed = [f for f in logging.getLogger("torchao").filters if isinstance(f, meshtron._ImportNoise)]
     assert len(installed) == 1 and kept(installed[0], failed) == torch.cuda.is_available()
+
+
+def test_the_lazy_names_are_listed_and_load_no_torch():
+    # PEP 562: dir() lists the names a package loads on first use, and listing them loads nothing
+    code = ("import sys, meshtron, meshtron.models, meshtron.models.gpt, meshtron.models.llama\n"
+            "print(all(set(p.__all__) <= set(dir(p)) for p in (meshtron, meshtron.models, meshtron.models.gpt,"
+            " meshtron.models.llama)), 'hf' in dir(meshtron.models.gpt), 'torch' in sys.modules)\n"
+            "print(meshtron.models.gpt.PRESETS is meshtron.models.gpt.config.PRESETS, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True", "False", "True", "False"], out.stdout

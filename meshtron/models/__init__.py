@@ -9,19 +9,14 @@ Each name below loads its module on first use (PEP 562), so that the command
 line reads meshtron.models.presets (and the folders' config.py) before torch
 loads; the registry imports every model, and torch with them.
 """
-import importlib
+from meshtron._lazy import lazy
 
-_HOME = {"MODELS": "registry", "PRESETS": "registry", "from_checkpoint": "registry", "from_hf": "registry",
-         "get": "registry", "GPT": "gpt.model", "GPTConfig": "gpt.config", "gpt_config": "gpt.config",
-         "MoEConfig": "common.moe_config", "ModelSpec": "spec", "read_hf_config": "spec"}
+_HOME = {"MODELS": ".registry", "PRESETS": ".registry", "from_checkpoint": ".registry", "from_hf": ".registry",
+         "get": ".registry", "GPT": ".gpt.model", "GPTConfig": ".gpt.config", "gpt_config": ".gpt.config",
+         "MoEConfig": ".common.moe_config", "ModelSpec": ".spec", "read_hf_config": ".spec"}
 
 
-def __getattr__(name: str):
-    if name in ("gpt", "llama"):   # the model folders, which importing this package used to load
-        return importlib.import_module(f"{__name__}.{name}")
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
-
+# the model folders, which importing this package used to load
+__getattr__, __dir__ = lazy(__name__, _HOME, ("gpt", "llama"))
 
 __all__ = ["GPT", "GPTConfig", "MODELS", "ModelSpec", "PRESETS", "from_checkpoint", "from_hf", "get", "gpt_config"]

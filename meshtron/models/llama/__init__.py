@@ -5,19 +5,14 @@ Each name below loads its module on first use (PEP 562): config.py imports no
 torch, and the command line reads the presets from it before torch loads
 (meshtron.config); the model, its layout and its spec (train_spec.py) do.
 """
-import importlib
+from meshtron._lazy import lazy
 
-_HOME = {"LlamaConfig": "config", "PRESETS": "config", "TRAINING": "config", "LLAMA3_SCALING": "config",
-         "Llama": "model", "check_layout": "parallelize", "parallelize_llama": "parallelize",
-         "pipeline_split": "parallelize", "tp_plan": "parallelize", "SPEC": "train_spec", "configure": "train_spec"}
+_HOME = {"LlamaConfig": ".config", "PRESETS": ".config", "TRAINING": ".config", "LLAMA3_SCALING": ".config",
+         "Llama": ".model", "check_layout": ".parallelize", "parallelize_llama": ".parallelize",
+         "pipeline_split": ".parallelize", "tp_plan": ".parallelize", "SPEC": ".train_spec", "configure": ".train_spec"}
 
 
-def __getattr__(name: str):
-    if name == "hf":
-        return importlib.import_module(f"{__name__}.hf")
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+__getattr__, __dir__ = lazy(__name__, _HOME, ("hf",))
 
 
 __all__ = ["Llama", "LlamaConfig", "PRESETS", "SPEC"]
