@@ -4,12 +4,15 @@ must hold: the same checkpoint, tensor for tensor; exact resume; a save in fligh
 when the job is killed never loads, and --resume auto takes the previous one; two
 saves never overlap; retention never removes the one being written; the directory's
 lock is held until the writer finishes; the closing line waits for the last save; the
-write runs in another process, which a killed job does not leave behind. Liveness is
-polled with a deadline; no timing is asserted."""
+write runs in another process, which a killed job does not leave behind; a writer that
+hangs is stopped once the save's time (the job's --pg-timeout) is up, and a failure
+anywhere (the writer, rank 0's store, a script without the main guard) is one line.
+Liveness is polled with a deadline; no timing is asserted."""
 import contextlib
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -26,7 +29,7 @@ from meshtron.models import GPT, gpt_config
 from meshtron.train import checkpoint
 from meshtron.train.optim import build_optimizer
 
-from harness import train
+from harness import mesh, train
 
 ASYNC = ["--checkpoint-async"]
 
@@ -108,6 +111,7 @@ def _in_the_writer(rank, world, argv):
     gone after the run, the losses)."""
     import meshtron.train.async_checkpoint as ac
     from meshtron import Config, Trainer, models
+    from meshtron.train import host_copy
 
     def refuse(*args, **kwargs):
         raise AssertionError("dcp.save ran in the training process")
@@ -131,7 +135,8 @@ def _in_the_writer(rank, world, argv):
         losses = trainer.train()      # and closes the saver, which stops the writer
     finally:
         ac.dcp.save, ac._Pickler.persistent_id = real, index
-    shared = all((t.to_local() if isinstance(t, DTensor) else t).is_shared() for t in ac._tensors(trainer.saver._host))
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in host_copy.tensors(trainer.saver._host)]
+    shared = all(t.is_shared() for t in local)
     return os.getpid(), pid, name, shared, by_value, not _alive(pid), losses
 
 
@@ -169,6 +174,157 @@ def test_the_writers_error_is_raised_here_and_close_stops_the_writer(pools, tmp_
     assert raised is not None and str(blocked) in raised[1] + raised[2], raised
     assert f"in the checkpoint writer process (pid {pid})" in raised[1] + raised[2], raised
     assert not alive
+
+
+def _a_hung_writer(rank, world, root, close_only):
+    """A writer that is alive but never answers (stopped): what wait (or close, without
+    wait) raises once the save's time is up, and whether the writer is gone then."""
+    from meshtron.train.async_checkpoint import BackgroundSaver
+
+    model = torch.nn.Linear(2, 2)
+    saver = BackgroundSaver(timeout_s=2)
+    os.kill(saver.writer_pid, signal.SIGSTOP)
+    saver.save(root, 1, [model], torch.optim.SGD(model.parameters(), lr=0.1))
+    raised = None
+    try:
+        saver.close() if close_only else saver.wait()
+    except checkpoint.CheckpointError as e:
+        raised = str(e)
+    saver.close()
+    return raised, _alive(saver.writer_pid), checkpoint.list_checkpoints(root)
+
+
+@pytest.mark.parametrize("close_only", [False, True])
+def test_a_writer_that_hangs_is_stopped_after_the_timeout(pools, tmp_path, close_only):
+    raised, alive, complete = pools.run(1, _a_hung_writer, str(tmp_path), close_only)[0]
+    assert raised is not None and "\n" not in raised, raised
+    assert "step-00000001 did not finish within 2 s" in raised and "previous complete checkpoint" in raised, raised
+    assert not alive and complete == []
+
+
+def _a_barrier_alone(rank, world):
+    """Rank 0 alone at a barrier of the saver's group: how it ends within the pool's timeout."""
+    from meshtron.train.async_checkpoint import BackgroundSaver
+
+    saver = BackgroundSaver(timeout_s=2)
+    try:
+        if rank == 0:
+            saver._barrier()
+        return None
+    except RuntimeError as e:
+        return type(e).__name__
+    finally:
+        saver.close()
+
+
+def test_the_savers_group_has_the_jobs_timeout(pools):
+    # gloo's default is 30 minutes: a rank whose peer's writer failed would wait that long
+    assert pools.run(2, _a_barrier_alone, timeout=60)[0] is not None
+
+
+def _a_store_that_does_not_start(rank, world):
+    import meshtron.train.async_checkpoint as ac
+
+    def refused(*args):
+        raise OSError("[Errno 98] Address already in use")
+
+    real, ac._start_store = ac._start_store, refused
+    try:
+        ac.BackgroundSaver(timeout_s=60).close()
+        return None
+    except checkpoint.CheckpointError as e:
+        return str(e), getattr(e, "all_ranks", False)
+    finally:
+        ac._start_store = real
+
+
+def test_rank_0s_store_failing_to_start_stops_every_rank(pools):
+    for raised in pools.run(2, _a_store_that_does_not_start, timeout=60):
+        assert raised is not None and raised[1], raised
+        assert "rank 0 could not start the store" in raised[0] and "Address already in use" in raised[0], raised
+
+
+class _Unloadable:
+    """Pickles in the training process; unpickling it (in the writer) raises ValueError."""
+
+    def __reduce__(self):
+        return int, ("not a number",)
+
+
+def _an_unloadable_host_copy(rank, world, path):
+    from meshtron.train.async_checkpoint import BackgroundSaver
+
+    saver = BackgroundSaver(timeout_s=60)
+    try:
+        saver._conn.send(("copy", [_Unloadable()]))
+        saver._indices = {}
+        saver._write_shards({"step": 1}, path)
+        return None
+    except checkpoint.CheckpointError as e:
+        return str(e), _alive(saver.writer_pid)
+    finally:
+        saver.close()
+
+
+def test_a_host_copy_the_writer_cannot_unpickle_says_the_writers_error(pools, tmp_path):
+    raised, alive = pools.run(1, _an_unloadable_host_copy, str(tmp_path / "ck"))[0]
+    assert "ValueError: invalid literal for int()" in raised and "\n" not in raised, raised
+    assert alive     # it answered, rather than died
+
+
+def _scalars_staged_then_changed(rank, world, root):
+    """A state with 0-dim tensors (a DTensor among them) staged, then changed in place
+    before the writer reads the copy (the loop goes on): what a load of the background
+    save and of a blocking save of the staged values give, and the values staged."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from meshtron.train.async_checkpoint import BackgroundSaver
+
+    dp = mesh(dp=2)["dp"]
+
+    def state(w, count, step):
+        return {"w": distribute_tensor(w, dp, [Shard(0)]), "count": distribute_tensor(count, dp, [Replicate()]),
+                "step": step, "n": 7}
+
+    live = state(torch.arange(8.0), torch.tensor(3.0), torch.tensor(5))
+    saver = BackgroundSaver(timeout_s=60)
+    try:
+        staged, _ = saver._stage(live)
+        for t in (live["w"].to_local(), live["count"].to_local(), live["step"]):
+            t.add_(100)
+        saver._write_shards(staged, os.path.join(root, "background"))
+    finally:
+        saver.close()
+    dcp.save(state(torch.arange(8.0), torch.tensor(3.0), torch.tensor(5)), checkpoint_id=os.path.join(root, "blocking"))
+    loaded = []
+    for name in ("background", "blocking"):
+        into = state(torch.zeros(8), torch.tensor(0.0), torch.tensor(0))
+        dcp.load(into, checkpoint_id=os.path.join(root, name))
+        loaded.append((into["w"].full_tensor(), into["count"].full_tensor(), into["step"], into["n"]))
+    return loaded
+
+
+def test_0_dim_tensors_and_dtensors_are_copied_and_reload_equal(pools, tmp_path):
+    # torch's host-copy helper hands a 0-dim DTensor back itself: the write would see the later value
+    background, blocking = pools.run(2, _scalars_staged_then_changed, str(tmp_path))[0]
+    assert _equal(background, blocking) == []
+    w, count, step, n = background
+    assert torch.equal(w, torch.arange(8.0)) and count.item() == 3.0 and step.item() == 5 and n == 7
+
+
+def test_a_script_without_the_main_guard_is_refused_in_one_line(tmp_path):
+    # the writer imports the main module as multiprocessing does: it would train too, or hang joining the job
+    script = tmp_path / "unguarded.py"
+    script.write_text("from meshtron.train.async_checkpoint import BackgroundSaver\n"
+                      "from meshtron.train.lifetime import one_line_errors\n\n"
+                      "one_line_errors(lambda: BackgroundSaver(timeout_s=30).close())\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, str(script)], env=_env() | {"PYTHONPATH": root}, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 1 and out.stdout == "", out.stderr[-3000:]
+    assert out.stderr.count("\n") == 1 and f"{script}:4 under `if __name__ == \"__main__\":`" in out.stderr, \
+        out.stderr
 
 
 def _short_of_shared_memory(rank, world):

@@ -5,9 +5,9 @@
    copy below is free to be overwritten);
 2. makes `.tmp-step-N` (checkpoint.begin_save: the same directory as a blocking save);
 3. copies the training state into host memory: one host copy of this rank's state,
-   allocated at the first save and reused, in shared memory (pinned where the state
-   lives on a GPU, the copies queued on the current stream, so the loop is not held
-   for them);
+   allocated at the first save and reused, in shared memory (host_copy.py; pinned
+   where the state lives on a GPU, the copies queued on the current stream, so the
+   loop is not held for them);
 4. starts a thread that waits for those copies, hands the copy to this rank's writer
    process, which writes it with DCP, and waits for its answer; save returns: the
    loop goes on.
@@ -19,6 +19,9 @@ while a write is in flight resumes from the previous checkpoint. Retention runs 
 that thread, after the rename, while no other save is in flight: it never touches
 the one being written. The Trainer waits for the writer before it releases the
 directory's lock and before its closing line, and `close` stops the writer process.
+A save is given the job's --pg-timeout (`timeout_s`), as the collectives of a blocking
+one are: a write still unfinished then (a writer that hangs) makes `wait` and `close`
+stop the writer and raise, and it is never renamed into place.
 
 Why a process: DCP's planning and serialization are Python, and a writer thread in
 this process took the GIL from a host-bound step loop: steps ran slower while a write
@@ -27,7 +30,9 @@ ours. The host copy's tensors reach it once, as shared-memory handles
 (torch.multiprocessing pickles a shared tensor as a file descriptor, not its bytes);
 each save then sends their indices in that copy and its few other values (the step,
 the data position). The thread left here waits on a pipe and on the barriers, and
-does rank 0's small publish. The writer sees no GPU; it dies with this
+does rank 0's publish, which reads every rank's files of the checkpoint back in full
+for the CRC32 that meshtron.json records (zlib and file reads let go of the GIL while
+they work). The writer sees no GPU; it dies with this
 process (lifetime.die_with_parent: a killed job leaves no writer behind, and only
 rank 0's publish, here, ever renames a save into place).
 
@@ -50,23 +55,25 @@ import os
 import pickle
 import signal
 import threading
+import time
 import traceback
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from torch.distributed._state_dict_utils import CompanionMismatch, _copy_state_dict, _create_cpu_state_dict
+from torch.distributed._state_dict_utils import CompanionMismatch, _copy_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from meshtron.train import checkpoint, lifetime
+from meshtron.train import checkpoint, host_copy, lifetime
 
 # A writer is started by a fork server: one interpreter per training process, which
 # imports these once; each writer is then a fork of it (milliseconds), where "spawn"
 # costs a fresh interpreter and `import torch` per writer (seconds), and "fork" of a
 # process with CUDA or gloo threads is unsafe. As with spawn, a writer imports the
-# main module: a script that trains needs the `if __name__ == "__main__":` guard.
+# main module: a script that trains needs the `if __name__ == "__main__":` guard, and
+# the saver refuses one without it (lifetime.unguarded_main).
 _PRELOAD = ["torch", "torch.distributed.checkpoint", __name__]
 
 
@@ -74,16 +81,35 @@ class BackgroundSaver:
     """Checkpoints written by a background process; one in flight at a time."""
 
     def __init__(self, timeout_s: float = 600):
-        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        # the writer would run the script again: train, or hang joining the job. The same
+        # script on every rank: each refuses here, before any collective
+        unguarded = lifetime.unguarded_main()
+        if unguarded is not None:
+            error = checkpoint.CheckpointError(
+                f"--checkpoint-async starts a writer process, which imports the main module as multiprocessing "
+                f"does: put the training in {unguarded} under `if __name__ == \"__main__\":`")
+            error.all_ranks = True
+            raise error
+        self.timeout_s = timeout_s            # the job's --pg-timeout: bounds a save, and the groups' collectives
         timeout = datetime.timedelta(seconds=timeout_s)
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        self._store = (dist.TCPStore(addr, 0, world, is_master=True, wait_for_workers=False, timeout=timeout)
-                       if rank == 0 else None)   # port 0: the kernel picks a free one
-        port = [self._store.port if rank == 0 else None]
+        self._store, port = None, [None]
+        if rank == 0:
+            try:
+                self._store = _start_store(addr, world, timeout)
+                port[0] = self._store.port
+            except Exception as e:  # noqa: BLE001 - said on every rank below, not only here
+                port[0] = f"{type(e).__name__}: {_first_line(e)}"
         if self.group is not None:
             dist.broadcast_object_list(port, src=0, group=self.group)
-        _raise_open_files_limit()   # before the fork server starts: the writer inherits it
+        if not isinstance(port[0], int):
+            error = checkpoint.CheckpointError(f"--checkpoint-async: rank 0 could not start the store where the "
+                                               f"checkpoint writers meet ({port[0]})")
+            error.all_ranks = True
+            raise error
+        lifetime.raise_open_files_limit()   # before the fork server starts: the writer inherits it
         # The writer starts here, not at the first save: its start (the first time in a
         # process, a fork server that imports torch: seconds) lengthens the set-up, not
         # the step that saves first, and the writers' group forms while the first steps run.
@@ -100,6 +126,8 @@ class BackgroundSaver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._path: str | None = None         # the save in flight, or finished and not yet waited for
+        self._deadline = 0.0                  # time.monotonic() by which the save in flight must be on disk
+        self._given_up = threading.Event()    # set when the save in flight ran past it: it must not publish
         self.started = 0                      # saves started by this saver
 
     @property
@@ -122,6 +150,7 @@ class BackgroundSaver:
         final, _ = checkpoint.begin_save(root, step)
         staged, copied = self._stage(state)
         self._path, self.started = final, self.started + 1
+        self._deadline = time.monotonic() + self.timeout_s
         self._thread = threading.Thread(target=self._write, name=f"meshtron-save-{step}", daemon=True,
                                         args=(staged, copied, root, step, keep, record, before_publish))
         self._thread.start()
@@ -129,12 +158,15 @@ class BackgroundSaver:
 
     def wait(self) -> str | None:
         """Block until the save in flight is on disk; returns its path (None when no
-        save was waiting to be collected). A failed write raises its error here."""
+        save was waiting to be collected). A failed write raises its error here, and so
+        does one still unfinished `timeout_s` after it started, whose writer is stopped."""
         if self._thread is None:
             return None
-        self._thread.join()
-        self._thread, path, self._path = None, self._path, None
-        error, self._error = self._error, None
+        try:
+            self._join()
+        finally:
+            self._thread, path, self._path = None, self._path, None
+            error, self._error = self._error, None
         if error is not None:
             raise error
         return path
@@ -147,9 +179,29 @@ class BackgroundSaver:
 
     def close(self) -> None:
         """Stop the writer process, after the save in flight (`wait` first to see its
-        error); safe to repeat."""
-        if self._thread is not None:
-            self._thread.join()
+        error; a save past its time raises here too); never hangs, safe to repeat."""
+        try:
+            if self._thread is not None:
+                self._join()
+        finally:
+            self._thread = None
+            self._stop_writer()
+
+    def _join(self) -> None:
+        """Wait for the saver's thread, until the save's deadline. Past it, stop the
+        writer (a hung one holds the thread on its pipe, and the next save behind it)."""
+        self._thread.join(max(0.0, self._deadline - time.monotonic()))
+        if not self._thread.is_alive():
+            return
+        self._given_up.set()
+        self._writer.kill()
+        self._writer.join(timeout=10)
+        raise checkpoint.CheckpointError(
+            f"the background write of {os.path.basename(self._path)} did not finish within {self.timeout_s:.0f} s "
+            f"(--pg-timeout); its writer process (pid {self.writer_pid}) was stopped, and the previous complete "
+            "checkpoint stays the newest")
+
+    def _stop_writer(self) -> None:
         if self._conn.closed:
             return
         try:
@@ -168,7 +220,7 @@ class BackgroundSaver:
         written past its size ends the process with SIGBUS, without a word (a container's
         default /dev/shm is 64 MiB). This node's ranks are counted as holding this rank's
         share each."""
-        need = sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in _tensors(state))
+        need = sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in host_copy.tensors(state))
         need *= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         try:
             st = os.statvfs("/dev/shm")
@@ -192,10 +244,10 @@ class BackgroundSaver:
     def _stage(self, state: dict) -> tuple[dict, torch.cuda.Event | None]:
         """A host copy of `state` (tensors copied into the cached buffers, everything else
         copied by value) and, on a GPU, the event after which the copies are complete."""
-        cuda = any(t.device.type == "cuda" for t in _tensors(state))
+        cuda = any(t.device.type == "cuda" for t in host_copy.tensors(state))
         for fresh in (False, True):
             if self._host is None or fresh:
-                self._host = _create_cpu_state_dict(state, pin_memory=cuda, share_memory=True)
+                self._host = host_copy.allocate(state, pin=cuda)
                 self._indices = None
             try:
                 staged = _copy_state_dict(state, self._host, non_blocking=cuda, type_check=False)
@@ -216,6 +268,8 @@ class BackgroundSaver:
             self._barrier()                      # every rank's shards are on disk
             if before_publish is not None:
                 before_publish(step)
+            if self._given_up.is_set():   # wait() said the previous checkpoint stays the newest
+                return
             if checkpoint._rank() == 0:
                 checkpoint.publish(root, step, keep, **record)
             self._barrier()                      # and the checkpoint is in place, for every rank's wait
@@ -229,7 +283,7 @@ class BackgroundSaver:
         index in the copy the writer holds."""
         try:
             if self._indices is None:
-                tensors = list(_tensors(self._host))
+                tensors = list(host_copy.tensors(self._host))
                 self._conn.send(("copy", tensors))
                 self._indices = {id(t): i for i, t in enumerate(tensors)}
             data = io.BytesIO()
@@ -240,17 +294,16 @@ class BackgroundSaver:
             self._writer.join(timeout=5)
             raise checkpoint.CheckpointError(f"the checkpoint writer process (pid {self.writer_pid}) is gone "
                                              f"(exit code {self._writer.exitcode})") from e
-        if isinstance(error, CheckpointException):
-            # a BaseException, which one_line_errors would not catch; DCP gathers every
-            # rank's failure and raises it on every rank, so it is said once
+        if error is not None:   # the writer's own error, said in one line; its traceback is a note
             failed = checkpoint.CheckpointError(f"the background save to {path} failed in the writer process "
-                                                f"(pid {self.writer_pid}): {_first_line(error)}")
-            failed.all_ranks = True
+                                                f"(pid {self.writer_pid}): {type(error).__name__}: "
+                                                f"{_first_line(error)}")
+            # DCP gathers every rank's failure and raises it on every rank (a BaseException,
+            # which one_line_errors would not catch): said once
+            failed.all_ranks = isinstance(error, CheckpointException)
             for note in getattr(error, "__notes__", []):   # the writer's traceback, for a reader of the whole error
                 failed.add_note(note)
             raise failed from error
-        if error is not None:
-            raise error
 
     def _barrier(self) -> None:
         if self.group is not None:
@@ -278,19 +331,25 @@ def _serve(conn, addr: str, port: int, rank: int, world: int, timeout_s: float) 
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     except Exception as e:  # noqa: BLE001 - the answer to every request
         joined = e
+    unusable = None   # why the host copy last sent did not arrive
     while True:
         try:
             request = conn.recv()
         except EOFError:   # the training process closed its end, or is gone
             return
+        except Exception as e:  # noqa: BLE001 - a host copy whose handles do not open here: the next save's answer
+            unusable = e
+            continue
         if request is None:
             return
         if request[0] == "copy":   # the tensors of a new host copy
-            host = request[1]
+            host, unusable = request[1], None
             continue
         try:
             if joined is not None:
                 raise joined
+            if unusable is not None:
+                raise unusable
             staged = _Unpickler(io.BytesIO(request[1]), host).load()
             dcp.save(staged, checkpoint_id=request[2], process_group=dist.group.WORLD)
             error = None
@@ -342,26 +401,6 @@ def _first_line(e: BaseException) -> str:
     return lines[0] if lines else type(e).__name__
 
 
-def _raise_open_files_limit() -> None:
-    """Each tensor of the host copy is shared as a file descriptor, in this process and in
-    the writer: a model's state can pass the usual soft limit of 1,024 open files. Raise
-    it to the hard limit, as the system allows any process to."""
-    try:
-        import resource
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if hard == resource.RLIM_INFINITY or soft < hard:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20),
-                                                        hard))
-    except (ImportError, ValueError, OSError):   # not POSIX, or not allowed: torch's error says it, if it comes
-        pass
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
+def _start_store(addr: str, world: int, timeout: datetime.timedelta):
+    """Rank 0's store where the writers meet, on a port the kernel picks (port 0)."""
+    return dist.TCPStore(addr, 0, world, is_master=True, wait_for_workers=False, timeout=timeout)

@@ -16,6 +16,10 @@ the holder's host, pid and start time, for the message that refuses a second run
 The kernel drops an flock when its holder dies, so a lock whose holder is gone
 is free: the next run takes it and says whose it was.
 
+`unguarded_main` finds a script that would run again in every process that
+multiprocessing starts (no `if __name__ == "__main__":`); `raise_open_files_limit`
+makes room for tensors shared as file descriptors.
+
 `init_process_group` starts the default process group with the job's timeout,
 after tying the worker to its agent; `one_line_errors` is a recipe's entry
 point, which turns a user's mistake into one line under torchrun too. The
@@ -25,6 +29,7 @@ of import.
 """
 from __future__ import annotations
 
+import ast
 import ctypes
 import datetime
 import errno
@@ -91,6 +96,55 @@ def _die(parent: int, parent_is: str) -> None:
     print(f"meshtron: {parent_is} (pid {parent}) is gone; this worker (pid {os.getpid()}) stops",
           file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def unguarded_main() -> str | None:
+    """Where the main module, still running, calls this outside `if __name__ == "__main__":`
+    ("path:line"), when a process that multiprocessing starts by spawn or its fork server
+    would import that module again: such a process would run the script's training too
+    (the checkpoint writer, meshtron/train/async_checkpoint.py)."""
+    main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None) or ""
+    if main is None or name.split(".")[-1] == "__main__":   # `python -m pkg`: multiprocessing skips it
+        return None
+    frame = sys._getframe()
+    while frame is not None and not (frame.f_globals is vars(main) and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back
+    if frame is None:   # not under the main module's own code: a prompt, `python -c`, a test runner
+        return None
+    path, line = frame.f_code.co_filename, frame.f_lineno
+    try:
+        with open(path) as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    guarded = (n.body for n in ast.walk(tree) if isinstance(n, ast.If) and _is_main_guard(n.test))
+    if any(body[0].lineno <= line <= body[-1].end_lineno for body in guarded):
+        return None
+    return f"{path}:{line}"
+
+
+def _is_main_guard(test: ast.expr) -> bool:
+    """`__name__ == "__main__"`, either way round."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = (test.left, test.comparators[0])
+    return ({s.id for s in sides if isinstance(s, ast.Name)} == {"__name__"}
+            and {s.value for s in sides if isinstance(s, ast.Constant)} == {"__main__"})
+
+
+def raise_open_files_limit() -> None:
+    """--checkpoint-async shares each tensor of its host copy as a file descriptor, in the
+    training process and in the writer: a model's state can pass the usual soft limit of
+    1,024 open files. Raise it to the hard limit, as the system allows any process to."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20),
+                                                        hard))
+    except (ImportError, ValueError, OSError):   # not POSIX, or not allowed: torch's error says it, if it comes
+        pass
 
 
 def init_process_group(timeout_s: float) -> None:
