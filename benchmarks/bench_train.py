@@ -55,6 +55,7 @@ LAYOUTS = {  # name: (GPUs, recipe flags); bf16 compute, fp32 master weights and
     "fsdp4": (4, ["--dp", "4", "--zero", "1"]),
     "fsdp4_zero3": (4, ["--dp", "4", "--zero", "3"]),
     "tp2dp2": (4, ["--dp", "2", "--tp", "2", "--sp", "--zero", "1"]),
+    "tp2dp2_zero3": (4, ["--dp", "2", "--tp", "2", "--sp", "--zero", "3"]),
     "tp4": (4, ["--tp", "4", "--sp"]),
     "fsdp2": (2, ["--dp", "2", "--zero", "1"]),
     "tp2": (2, ["--tp", "2", "--sp"]),
@@ -84,6 +85,7 @@ LAYOUTS = {  # name: (GPUs, recipe flags); bf16 compute, fp32 master weights and
     "cp4_allgather": (4, ["--cp", "4", "--cp-comm", "allgather"]),
     "cp4_a2a": (4, ["--cp", "4", "--cp-comm", "a2a"]),
     "ep2": (2, ["--ep", "2", "--zero", "1"]),            # mixture-of-experts presets: experts over ep
+    "ep2_zero2": (2, ["--ep", "2", "--zero", "2"]),      # a layout's flags follow the command line's: --zero here
     "ep4": (4, ["--ep", "4", "--zero", "1"]),
 }
 
@@ -224,6 +226,9 @@ def timed(step, batches, args, trainer) -> tuple[list, list, float, list[float]]
     t0 = time.perf_counter()
     for i in range(args.warmup):
         one(i)
+        if i == 0 and device.type == "cuda":   # the state a step leaves: weights and optimizer moments
+            sync(device)
+            trainer.mem_after_first_step = torch.cuda.memory_allocated(device) / 2**30
     sync(device)
     warmup_s = time.perf_counter() - t0
     rounds = []
@@ -237,11 +242,12 @@ def timed(step, batches, args, trainer) -> tuple[list, list, float, list[float]]
     return trace, loads, warmup_s, rounds
 
 
-def worst_over_ranks(step_s: float, device) -> tuple[float, float, float, list[float]]:
+def worst_over_ranks(step_s: float, device, peak: float = 0.0) -> tuple[float, float, float, list[float]]:
     """(step seconds, peak GiB allocated, peak GiB reserved), the largest over ranks,
-    and each rank's peak GiB allocated (a pipeline's stages hold different amounts)."""
+    and each rank's peak GiB allocated (a pipeline's stages hold different amounts);
+    `peak`: a peak read before the allocator's was reset (MemoryPhases)."""
     cuda = device.type == "cuda"
-    mem = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
+    mem = max(peak, torch.cuda.max_memory_allocated(device) / 2**30) if cuda else float("nan")
     reserved = torch.cuda.max_memory_reserved(device) / 2**30 if cuda else float("nan")
     mine = torch.tensor([step_s, mem, reserved], dtype=torch.float64, device=device)
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
@@ -249,6 +255,51 @@ def worst_over_ranks(step_s: float, device) -> tuple[float, float, float, list[f
     every = torch.stack(parts)
     worst = every.max(0).values.tolist()
     return worst[0], worst[1], worst[2], [round(m, 3) for m in every[:, 1].tolist()]
+
+
+def per_rank(values: list[float], device) -> list[list[float]]:
+    """Each rank's `values` (the same length on every rank), rounded to 3 places."""
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, mine)
+    return [[round(v, 3) for v in t.tolist()] for t in parts]
+
+
+class MemoryPhases:
+    """--memory-phases: per step, GiB allocated when the optimizer step begins
+    (weights, gradients, moments and whatever else is live), the peak of the
+    forward/backward before it (from the previous optimizer step's end: zero_grad,
+    the micro-batches or the pipeline's schedule, the gradient norm), the peak inside
+    the optimizer step, and GiB allocated after it. The allocator's peak is reset at
+    each boundary: `peak` keeps the largest. Host-side reads only, no synchronization."""
+
+    def __init__(self, optimizer, device):
+        self.device, self.rows, self.peak = device, [], 0.0
+        self.handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
+
+    def _read(self) -> tuple[float, float]:
+        alloc, peak = (torch.cuda.memory_allocated(self.device) / 2**30,
+                       torch.cuda.max_memory_allocated(self.device) / 2**30)
+        self.peak = max(self.peak, peak)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return alloc, peak
+
+    def _pre(self, *_):
+        self.rows.append(list(self._read()))
+
+    def _post(self, *_):
+        alloc, peak = self._read()
+        self.rows[-1] += [peak, alloc]
+
+    def summary(self, skip: int) -> list[float]:
+        """[allocated at the optimizer step's start, forward/backward peak, optimizer peak,
+        allocated after it]: the largest over the steps after `skip`."""
+        rows = [r for r in self.rows[skip:] if len(r) == 4] or self.rows[-1:]
+        return [max(r[k] for r in rows) for k in range(4)]
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
 
 
 def bubble(result: dict, par, microbatches: int, world: int, device) -> None:
@@ -288,14 +339,20 @@ def measure(name: str, recipe_flags: list[str], args) -> dict:
     trainer, patches = build_with_options(config, opts)
     build_s = time.perf_counter() - t0
     device = trainer.device
-    if device.type == "cuda":
+    cuda = device.type == "cuda"
+    static_gib = torch.cuda.memory_allocated(device) / 2**30 if cuda else 0.0   # built: weights (moments come later)
+    if cuda:
         torch.cuda.reset_peak_memory_stats(device)
+    phases = MemoryPhases(trainer.optimizer, device) if args.memory_phases and cuda else None
+    trainer.mem_after_first_step = 0.0
     batches = [trainer.next_batch() for _ in range(4)]   # (x, y, the per-token inputs of --document-mask)
     step = step_fn(trainer, args, opts)
     sdpa = next((o for o in opts if o in ("cudnn", "flash")), args.sdpa)
     trace, loads, warmup_s, rounds = timed(step, batches, args, trainer)
     losses, norms = ([round(float(t[k]), 5) for t in trace] for k in (0, 1))
-    step_s, mem, reserved, mem_ranks = worst_over_ranks(statistics.median(rounds), device)
+    step_s, mem, reserved, mem_ranks = worst_over_ranks(statistics.median(rounds), device,
+                                                        phases.peak if phases else 0.0)
+    mem_static = per_rank([static_gib, trainer.mem_after_first_step], device)
     tokens = trainer.global_batch * config.training.seq_len
     tps_gpu = tokens / step_s / world
     peak = peak_tflops(device)
@@ -306,6 +363,7 @@ def measure(name: str, recipe_flags: list[str], args) -> dict:
                   step_ms_rounds=[r * 1e3 for r in rounds], tokens_per_s_per_gpu=tps_gpu,
                   tflops_per_gpu=tps_gpu * flops / 1e12, mfu=tps_gpu * flops / 1e12 / peak if peak else None,
                   peak_mem_gib=mem, peak_mem_gib_ranks=mem_ranks, peak_reserved_gib=reserved,
+                  built_mem_gib_ranks=[r[0] for r in mem_static], first_step_mem_gib_ranks=[r[1] for r in mem_static],
                   build_s=build_s, warmup_s=warmup_s,
                   loss_first=losses[0], loss_last=losses[-1], losses=losses, grad_norms=norms,
                   params=trainer.model_config.num_params(),
@@ -317,6 +375,9 @@ def measure(name: str, recipe_flags: list[str], args) -> dict:
                       router_load_timed_max=max(own[args.warmup:]),
                       batch_balance=trainer.model_config.moe.batch_balance,
                       balanced_routing=trainer.model_config.moe.balanced)
+    if phases:   # per rank: [allocated at the optimizer step, fwd/bwd peak, optimizer peak, allocated after]
+        result["memory_phases_gib_ranks"] = per_rank(phases.summary(args.warmup), device)
+        phases.close()
     if args.check_replicas:
         result["replica_spread"] = replica_spread(trainer.parts)
     if args.profile_steps:
@@ -389,6 +450,18 @@ def profile(step, n: int, device, path: str) -> dict:
         span = (e.time_range.start, e.time_range.end)
         peer_copy = name.startswith("memcpy") and ("ptop" in name or "dtod" in name)
         (comm if kind == "nccl" or peer_copy else compute).append(span)
+    nccl_ops = collections.Counter()   # NCCL kernel time by operation (SendRecv: all-to-all and p2p)
+    for e in kernels:
+        if "nccl" in e.name.lower():
+            op = next((o for o in ("AllGather", "ReduceScatter", "AllReduce", "SendRecv", "Broadcast", "AllToAll")
+                       if o.lower() in e.name.lower()), "other")
+            nccl_ops[f"nccl_{op}_ms"] += e.time_range.elapsed_us() / 1e3 / n
+    host = collections.Counter()   # the host waiting for the GPU (a .tolist() / .item() of a device tensor)
+    for e in prof.events():
+        if e.device_type == DeviceType.CPU and e.name in ("cudaStreamSynchronize", "cudaEventSynchronize",
+                                                          "cudaMemcpyAsync"):
+            host[f"host_{e.name}_ms"] += e.time_range.elapsed_us() / 1e3 / n
+            host[f"host_{e.name}_calls"] += 1 / n
     busy, comm_total = _length(_union(comm + compute)), _length(_union(comm))
     exposed = comm_total - _length(_intersect(_union(comm), _union(compute)))
     gaps = _gaps(_union(comm + compute), kernels, n)
@@ -399,7 +472,8 @@ def profile(step, n: int, device, path: str) -> dict:
         f.write("\nGPU idle gaps over 0.5 ms, per step: " + gaps)
     return {"wall_ms": wall, "gpu_busy_ms": busy / 1e3 / n, "compute_busy_ms": _length(_union(compute)) / 1e3 / n,
             "comm_ms": comm_total / 1e3 / n,
-            "exposed_comm_ms": exposed / 1e3 / n, **{f"{k}_ms": v for k, v in by_kind.items()}}
+            "exposed_comm_ms": exposed / 1e3 / n, **{f"{k}_ms": v for k, v in by_kind.items()},
+            **dict(nccl_ops), **dict(host)}
 
 
 def _gaps(busy: list, kernels: list, n: int) -> str:
@@ -516,6 +590,8 @@ def main():
     p.add_argument("--sdpa", default="default", choices=["default", "cudnn", "flash"],
                    help="attention backend preferred around each step (an experiment's knob)")
     p.add_argument("--sync-steps", action="store_true", help="synchronize the GPU after every step")
+    p.add_argument("--memory-phases", action="store_true", help="record GiB allocated at, and the peaks before and "
+                   "inside, each optimizer step (memory_phases_gib_ranks)")
     p.add_argument("--check-replicas", action="store_true",
                    help="after the run, report parameters whose replicas differ across ranks")
     p.add_argument("--experiment", default="", help="comma list of EXPERIMENTS to patch in (measurements only)")

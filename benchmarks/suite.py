@@ -185,9 +185,11 @@ SUITES = {
     # gradients where there are several), and both sides compiled
     "ep2": [tt("torchtitan dp2 x ep2", 2, "moe_ep2_2gpu"),
             mt("--ep 2 --zero 1", 2, "ep2", MOE + ["--global-batch", "8"], "torchtitan dp2 x ep2"),
-            mt("--ep 2 --zero 2", 2, "ep2", MOE + ["--global-batch", "8", "--zero", "2"], "torchtitan dp2 x ep2"),
+            mt("--ep 2 --zero 2", 2, "ep2_zero2", MOE + ["--global-batch", "8"], "torchtitan dp2 x ep2"),
             tt("torchtitan dp2 x ep2, compiled", 2, "moe_ep2_2gpu", TT3_ARGS="--compile.enable", T="240"),
-            mt("--ep 2 --zero 2, compiled", 2, "ep2_compile", MOE + ["--global-batch", "8", "--zero", "2"],
+            mt("--ep 2 --zero 1, compiled", 2, "ep2_compile", MOE + ["--global-batch", "8"],
+               "torchtitan dp2 x ep2, compiled"),
+            mt("--ep 2 --zero 2, compiled", 2, "ep2_zero2_compile", MOE + ["--global-batch", "8"],
                "torchtitan dp2 x ep2, compiled")],
     "ep4": [tt("torchtitan dp4 x ep4", 4, "moe_ep4"),
             mt("--ep 4 --zero 1", 4, "ep4", MOE + ["--global-batch", "16"], "torchtitan dp4 x ep4"),

@@ -48,7 +48,7 @@ from meshtron.distributed.mesh import AXES
 from meshtron.distributed.pipeline_parallel import bubble_fraction, check_pipeline
 from meshtron.planner.comm_model import group_size, step_collectives
 from meshtron.planner.hardware import GPUS, Hardware, calibration_path, hardware
-from meshtron.planner.state import coordinate, fullest_state, state_bytes
+from meshtron.planner.state import coordinate, pp_rank_share, pp_rank_states, state_bytes
 
 GiB = 2 ** 30
 
@@ -166,10 +166,11 @@ def _layer_elements(cfg, t: int, sp: bool) -> float:
     return 2 * h / (t if sp else 1) + 2 * h + split / t
 
 
-def activation_bytes(cfg, par: ParallelConfig, micro_batch: int, seq_len: int, layers: int) -> float:
+def activation_bytes(cfg, par: ParallelConfig, micro_batch: int, seq_len: int, layers: int, head: bool = True) -> float:
     """One micro-batch's saved activations over `layers` layers on one rank (bf16),
-    and the fp32 log-probabilities cross-entropy keeps for its backward (with
-    --fused-loss: one chunk of them, and the gradients the fused loss keeps)."""
+    and, where the rank holds the output head (`head`), the fp32 log-probabilities
+    cross-entropy keeps for its backward (with --fused-loss: one chunk of them, and
+    the gradients the fused loss keeps)."""
     d = par.degrees()
     tokens, h, t = micro_batch * seq_len / d["cp"], cfg.dim, d["tp"]
     full = 2 * tokens * _layer_elements(cfg, t, par.sp)
@@ -179,12 +180,12 @@ def activation_bytes(cfg, par: ParallelConfig, micro_batch: int, seq_len: int, l
         held = tokens * h * (20 / t if par.sp else 2 + 18 / t) * layers
     else:
         held = full * layers
+    if not head:
+        return held
     if par.fused_loss:   # one chunk's fp32 logits, and the gradients of the hidden states and the head it keeps
-        logits = 4 * min(tokens, default_chunk(cfg.vocab_size // t)) * cfg.vocab_size / t \
+        return held + 4 * min(tokens, default_chunk(cfg.vocab_size // t)) * cfg.vocab_size / t \
             + 2 * (tokens * h + cfg.vocab_size / t * h)
-    else:
-        logits = 4 * tokens * cfg.vocab_size / t
-    return held + logits / max(1, d["pp"])
+    return held + 4 * tokens * cfg.vocab_size / t
 
 
 def compute_s(cfg, par: ParallelConfig, tokens: int, seq_len: int, hw: Hardware, layers: int,
@@ -269,27 +270,43 @@ def _fp8_cast_elements(cfg, tp: int) -> float:
     return (3 * h + ffn + 3 * h + 2 * kv + 2 * ffn) / tp
 
 
-def memory_bytes(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: int, seq_len: int,
-                 memo: dict | None = None) -> tuple[float, float, float, float]:
-    """(total, state, activations, gathered) bytes on the fullest rank."""
+def pp_rank_memory(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: int, seq_len: int,
+                   memo: dict | None = None) -> list[tuple[float, float, float, float]]:
+    """(total, state, activations, gathered) bytes on the fullest rank of each pipeline rank's
+    stages. They differ: each holds its own stages' layers and state, 1F1B's rank r keeps
+    pp - r micro-batches in flight (GPipe all of them), and only the head's rank keeps logits."""
     d = par.degrees()
     key = tuple(getattr(par, f.name) for f in dataclasses.fields(par)
                 if f.name not in ("recompute", "microbatches", "compile"))
     memo = {} if memo is None else memo
     if key not in memo:   # micro-batching and recompute leave the state as it is
-        memo[key] = fullest_state(spec, cfg, par)
-    state = memo[key]
-    layers = math.ceil(cfg.n_layers / d["pp"])
-    in_flight = microbatches if par.pp_schedule == "gpipe" and d["pp"] > 1 else min(d["pp"], microbatches)
-    acts = activation_bytes(cfg, par, micro_batch, seq_len, layers) * in_flight
-    params_stage = cfg.num_params() / d["pp"] / d["tp"]
-    gathered = 2 * params_stage * (1 if par.zero in (0, 1, 2) else 2 / max(1, layers))  # bf16 unsharded copies
-    if par.fp8 == "tensorwise" and math.prod(d[a] for a in ("dp", "cp", "ep")) > 1:
-        gathered *= 0.5 + 0.5 * _block_linear_flops(cfg, 0) / cfg.flops_per_token(0)   # the linears gather fp8
-    if microbatches > 1 and (par.zero < 2 or d["pp"] > 1) and par.dtype != "fp32":
-        # unsynced micro-batches accumulate the whole gradient in fp32, beside the sharded one state counts
-        gathered += 4 * params_stage
-    return state + acts + gathered, state, acts, gathered
+        memo[key] = pp_rank_states(spec, cfg, par)
+    out = []
+    for r, state in enumerate(memo[key]):
+        layers, head, params = pp_rank_share(spec, cfg, par, r)
+        if d["pp"] == 1:
+            in_flight = 1
+        elif par.pp_schedule == "gpipe":
+            in_flight = microbatches
+        elif par.pp_schedule == "1f1b":
+            in_flight = min(d["pp"] - r, microbatches)
+        else:   # the interleaved and zero-bubble schedules warm up about pp micro-batches on every rank
+            in_flight = min(d["pp"], microbatches)
+        acts = activation_bytes(cfg, par, micro_batch, seq_len, layers, head) * in_flight
+        gathered = 2 * params * (1 if par.zero in (0, 1, 2) else 2 / max(1, layers))  # bf16 unsharded copies
+        if par.fp8 == "tensorwise" and math.prod(d[a] for a in ("dp", "cp", "ep")) > 1:
+            gathered *= 0.5 + 0.5 * _block_linear_flops(cfg, 0) / cfg.flops_per_token(0)   # the linears gather fp8
+        if microbatches > 1 and (par.zero < 2 or d["pp"] > 1) and par.dtype != "fp32":
+            # unsynced micro-batches accumulate the whole gradient in fp32, beside the sharded one state counts
+            gathered += 4 * params
+        out.append((state + acts + gathered, state, acts, gathered))
+    return out
+
+
+def memory_bytes(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: int, seq_len: int,
+                 memo: dict | None = None) -> tuple[float, float, float, float]:
+    """(total, state, activations, gathered) bytes on the fullest rank."""
+    return max(pp_rank_memory(spec, cfg, par, micro_batch, microbatches, seq_len, memo))
 
 
 def step_terms(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: int, seq_len: int, hw: Hardware,

@@ -120,8 +120,27 @@ def state_bytes(spec, cfg, par: ParallelConfig, rank: int) -> dict[str, int]:
     return {"params": 4 * numel, "grads": 4 * numel, "optim": 8 * numel + 4 * count}
 
 
-def fullest_state(spec, cfg, par: ParallelConfig) -> int:
-    """The most state bytes any rank holds: FSDP's first chunks are the largest, and
-    the pp ranks hold different stages."""
+def pp_rank_share(spec, cfg, par: ParallelConfig, pp_rank: int) -> tuple[int, bool, int]:
+    """(layers, whether it holds the output head, TP-local parameter elements before FSDP) of the
+    stages pipeline rank `pp_rank` holds: the spec's split, which gives the head's stage fewer
+    layers (llama-1B at pp2: 10 and 6), so the ranks' activations differ as their state does."""
+    d = par.degrees()
+    pp_stages = d["pp"] * par.pp_virtual
+    if d["pp"] == 1:
+        names, held = [[""]], [0]
+    else:
+        names = models.MODELS[spec.name].pipeline_split(cfg, pp_stages)
+        held = stage_ids_of(pp_rank, d["pp"], par.pp_virtual, par.pp_schedule)
+    shapes = _stage_shapes(spec.name, cfg, d["tp"], par.sp, par.loss_parallel, pp_stages)
+    numel = sum(math.prod(shape) * times for s in held for (shape, _), times in shapes[s])
+    if d["pp"] == 1:
+        return cfg.n_layers, True, numel
+    layers = sum(1 for s in held for n in names[s] if n.rpartition(".")[2].isdigit())
+    return layers, pp_stages - 1 in held, numel
+
+
+def pp_rank_states(spec, cfg, par: ParallelConfig) -> list[int]:
+    """The most state bytes a rank of each pipeline rank's stages holds (FSDP's first chunks
+    are the largest)."""
     stride_pp = math.prod(par.degrees()[a] for a in AXES[AXES.index("pp") + 1:])
-    return max(sum(state_bytes(spec, cfg, par, r * stride_pp).values()) for r in range(par.pp))
+    return [sum(state_bytes(spec, cfg, par, r * stride_pp).values()) for r in range(par.pp)]
