@@ -410,7 +410,8 @@ def plan(model: str, seq_len: int, global_batch: int, gpus: int, gpus_per_node: 
 COLUMNS = """columns: step ms and MFU, predicted (bf16, or FP8 with --fp8; the GPU's calibration); GiB (MiB
 where all are under one) on the fullest rank = state (fp32 weights, gradients and AdamW moments as sharded) +
 bf16 (the unsharded bf16 weights computed with: a stage's all under ZeRO 0-2, about one block's under ZeRO 3)
-+ acts (activations in flight). Layouts that predict the same in every column and differ only in --zero are
++ acts (activations in flight; a pipeline's ranks each from their own stages' layers, micro-batches in flight
+and, on the head's rank, logits). Layouts that predict the same in every column and differ only in --zero are
 one row, the lowest --zero, with the others named.
 
 calibration: `python -m meshtron.plan calibrate --out FILE.json` measures this GPU (matmul efficiency, host
