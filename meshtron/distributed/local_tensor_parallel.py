@@ -18,7 +18,8 @@ its output are one autograd function (`GatherLinears`) whose backward is Megatro
 the input's gradient first, its reduce-scatter (all-reduce without SP) started, the
 weights' gradients computed while it runs, the wait last. Otherwise autograd sums the
 input's gradient only after every one of those linears' whole backward, and the
-collective runs with nothing beside it.
+collective runs with nothing beside it. Off by default: it measured no faster, the
+matmuls beside the collective slowing by what it hid (benchmarks/RESULTS.md).
 
 Under SP a norm's weight gradient is a partial sum (each rank saw 1/tp of the
 tokens) and is reduced once per step, as under the DTensor styles. Same

@@ -188,3 +188,11 @@ def test_overlapped_block_compiles(pools):
     order inductor's scheduler cannot change, and gives the eager numbers."""
     for error, opaque in pools.run(2, _overlapped_block_compiled, timeout=300):
         assert error < 1e-5 and opaque, (error, opaque)
+
+
+def test_tp_overlap_with_sp_and_cp_is_refused_in_one_line():
+    from meshtron.config import Config, ConfigError
+    from meshtron.models import PRESETS
+    with pytest.raises(ConfigError, match="--tp-overlap with --sp and --cp is not supported"):
+        Config.from_args(["--model", "llama-tiny", "--tp", "2", "--sp", "--cp", "2", "--tp-overlap"],
+                         models=PRESETS).validate(world_size=4)
