@@ -4,7 +4,7 @@
     OUT=$OUT python benchmarks/suite.py tp2 [ep2 ...] [--pack] [--steps 30]
 
 Suites: 1gpu and fp8 (one GPU at the issue's batches, an H200's memory; 1gpu-80g and
-fp8-80g: half the batches for an 80 GB GPU), tp2, tp4, fsdp4, pp, cp1, cp2, cp4, moe1,
+fp8-80g: half the batches for an 80 GB GPU), tp2, tp2-overlap, tp4, fsdp4, pp, cp1, cp2, cp4, moe1,
 ep2, ep4 (`list` prints each row). What no suite expresses has one script:
 benchmarks/documents.sh (packed documents, with a torchtitan flex flavor) and
 benchmarks/convergence.sh (300-step loss curves against torchtitan's).
@@ -129,6 +129,12 @@ SUITES = {
             mt("tp2 + SP", 2, "tp2_compile", l1b(32), "torchtitan tp2"),
             tt("torchtitan fsdp2", 2, "llama1b_fsdp2_compile", **TT16),
             mt("fsdp2", 2, "fsdp2_compile", l1b(32), "torchtitan fsdp2")],
+    # hiding tp2's communication: --tp-overlap (Megatron's backward overlap) and --async-tp against the plain
+    # row and the peer; the two meshtron rows compared first, side by side under --pack
+    "tp2-overlap": [mt("tp2 + SP", 2, "tp2_compile", l1b(32), "torchtitan tp2"),
+                    mt("tp2 + SP --tp-overlap", 2, "tp2_overlap_compile", l1b(32), "torchtitan tp2"),
+                    tt("torchtitan tp2", 2, "llama1b_tp2_compile", **TT16),
+                    mt("tp2 + SP --async-tp", 2, "tp2_async_compile", l1b(32), "torchtitan tp2")],
     # the same at four GPUs
     "tp4": [tt("torchtitan tp4", 4, "llama1b_tp4_compile", **TT16),
             mt("tp4 + SP", 4, "tp4_compile", l1b(16), "torchtitan tp4"),

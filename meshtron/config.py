@@ -97,7 +97,12 @@ class ParallelConfig:
     """sequence parallelism (needs tp > 1)"""
     async_tp: bool = False
     ("overlap SP's all-gathers and reduce-scatters with the matmuls next to them (needs --sp); measured no "
-     "faster: tp4 on four H100s 34.5k against 38.1k tokens/s/GPU, tp2 on two H200s even (benchmarks/RESULTS.md)")
+     "faster: tp4 on four H100s 34.5k against 38.1k tokens/s/GPU, tp2 on two H200s even, tp2 on two H100s "
+     "54.5k against 54.1k, inside the spread between runs (llama-1B, compiled; benchmarks/RESULTS.md)")
+    tp_overlap: bool = False
+    ("tensor parallelism's backward, dense Llama blocks: the reduce-scatter (all-reduce without --sp) of the "
+     "column-parallel linears' input gradient runs under their weight-gradient matmuls (Megatron's); measured "
+     "no faster: tp2 on two H100s hid 26 ms of communication and slowed those matmuls 24 ms (benchmarks/RESULTS.md)")
     cp_comm: str = field(default="p2p", metadata={"choices": ("p2p", "allgather", "a2a")})
     """context-parallel attention: p2p (ring), allgather (K/V) or a2a (Ulysses, heads)"""
     loss_parallel: bool = True
@@ -292,6 +297,10 @@ class Config:
         if p.async_tp and not p.sp:
             raise ConfigError("--async-tp overlaps sequence parallelism's all-gathers and reduce-scatters with "
                               "the matmuls: it needs --sp (and --tp > 1)")
+        if p.tp_overlap and p.sp and p.cp > 1:
+            raise ConfigError("--tp-overlap with --sp and --cp is not supported: context parallelism takes the "
+                              "rotary positions from the attention's gathered input, which --tp-overlap gathers "
+                              "inside the projections; leave out --tp-overlap")
         if p.fp8 != "none" and p.async_tp:
             raise ConfigError("--fp8 with --async-tp is not supported: the overlapped matmuls are bf16 ones, of "
                               "weights the fp8 linears hold; use one or the other")

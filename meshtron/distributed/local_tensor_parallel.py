@@ -13,6 +13,14 @@ conjugate operators on the tp group:
   scatter_seq     reduce-scatter over the sequence; all-gather back   (SP, after row-parallel)
   reduce_from_tp  all-reduce; identity back                           (no SP, after row-parallel)
 
+With `overlap` (--tp-overlap), the gather and the column-parallel linears that read
+its output are one autograd function (`GatherLinears`) whose backward is Megatron's:
+the input's gradient first, its reduce-scatter (all-reduce without SP) started, the
+weights' gradients computed while it runs, the wait last. Otherwise autograd sums the
+input's gradient only after every one of those linears' whole backward, and the
+collective runs with nothing beside it. Off by default: it measured no faster, the
+matmuls beside the collective slowing by what it hid (benchmarks/RESULTS.md).
+
 Under SP a norm's weight gradient is a partial sum (each rank saw 1/tp of the
 tokens) and is reduced once per step, as under the DTensor styles. Same
 collectives, same bytes (the dry run and a test count them).
@@ -169,6 +177,95 @@ class LocalNorm(ParallelStyle):
         def forward(mod, x):
             return mod.norm(x, _replicated(mod.weight, sp))
         module.forward = types.MethodType(forward, module)
+        return module
+
+
+def _column_backward(grads: list[torch.Tensor], x_all: torch.Tensor, weights: list[torch.Tensor],
+                     group: str, tp: int) -> list[torch.Tensor]:
+    """[dx, dW_1, ...] of the column-parallel linears y_i = x_all W_i^T, in Megatron's order
+    (LinearWithGradAccumulationAndAsyncCommunication): dx_all = sum_i g_i W_i; its
+    reduce-scatter over the sequence (tp > 1) or all-reduce (tp == 1: no SP) starts;
+    dW_i = g_i^T x_all run while it travels; the wait comes last. funcol's raw ops, since
+    funcol's wrappers wait at once when traced."""
+    g2 = [g.flatten(0, -2) for g in grads]
+    dx = g2[0] @ weights[0]
+    for g, w in zip(g2[1:], weights[1:]):
+        dx.addmm_(g, w)
+    dx = dx.view_as(x_all)
+    if tp > 1:   # each rank's sequence chunk first: the reduce-scatter splits dim 0
+        chunks = dx.unflatten(1, (tp, -1)).transpose(0, 1).flatten(0, 1).contiguous()
+        pending = torch.ops._c10d_functional.reduce_scatter_tensor(chunks, "sum", tp, group)
+    else:
+        pending = torch.ops._c10d_functional.all_reduce(dx, "sum", group)
+    x2 = x_all.flatten(0, -2)
+    dws = [g.t() @ x2 for g in g2]
+    return [torch.ops._c10d_functional.wait_tensor(pending), *dws]
+
+
+# Compiled, the same function as one opaque op: inductor's scheduler otherwise places the
+# wait wherever a fusion elsewhere in the block pulls the consumers of dx, before the
+# weight gradients (seen on the CPU). Eager, the plain function, whose collectives the
+# dry run's dispatch mode counts.
+@torch.library.custom_op("meshtron::column_backward", mutates_args=(), schema=(
+    "(Tensor[] grads, Tensor x_all, Tensor[] weights, str group, int tp) -> Tensor[]"))
+def _column_backward_op(grads: list[torch.Tensor], x_all: torch.Tensor, weights: list[torch.Tensor],
+                        group: str, tp: int) -> list[torch.Tensor]:
+    return _column_backward(grads, x_all, weights, group, tp)
+
+
+@_column_backward_op.register_fake
+def _(grads, x_all, weights, group, tp):
+    dx = x_all.new_empty(x_all.shape[0], x_all.shape[1] // tp, *x_all.shape[2:])
+    return [dx, *(w.new_empty(w.shape) for w in weights)]
+
+
+class _GatherLinears(torch.autograd.Function):
+    """x -> [F.linear(x_all, W_i, b_i)], x_all all-gathered over the sequence (SP) or x
+    itself; the backward is _column_backward's. x_all is saved, as the separate linears
+    saved it (re-gathering it in backward would add an all-gather to the step)."""
+
+    @staticmethod
+    def forward(ctx, x, group, sp, *params):
+        weights, biases = params[:len(params) // 2], params[len(params) // 2:]
+        x_all = funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), 1, group)) if sp else x
+        ctx.save_for_backward(x_all, *weights)
+        ctx.group, ctx.tp = group, x_all.shape[1] // x.shape[1]
+        ctx.biases = [b is not None for b in biases]
+        return tuple(F.linear(x_all, w, b) for w, b in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x_all, *weights = ctx.saved_tensors
+        column_backward = _column_backward_op if torch.compiler.is_compiling() else _column_backward
+        dx, *dws = column_backward([g.contiguous() for g in grads], x_all, weights, ctx.group, ctx.tp)
+        dbs = [g.flatten(0, -2).sum(0) if has else None for g, has in zip(grads, ctx.biases)]
+        dws = [dw if need else None for dw, need in zip(dws, ctx.needs_input_grad[3:])]
+        return (dx, None, None, *dws, *dbs)
+
+
+class GatherLinears(ParallelStyle):
+    """On a module whose `in_proj(x)` returns its column-parallel linears `names` applied
+    to x, in that order: in_proj becomes one _GatherLinears call on the module's input
+    (this rank's 1/tp of the sequence under SP), which all-gathers it once for all of
+    them and hides the backward's reduce-scatter (all-reduce without SP) behind their
+    weight gradients. The linears keep LocalColwise's placements; their weights and
+    biases are read through `to_local` as there, so their gradients return as DTensors."""
+
+    def __init__(self, sp: bool, names: tuple[str, ...]):
+        self.sp, self.names = sp, names
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        if not callable(getattr(module, "in_proj", None)):
+            raise ValueError(f"GatherLinears needs a module with an in_proj(x) method, not {type(module).__name__}")
+        linears = [getattr(module, n) for n in self.names]
+        for linear in linears:
+            _check_linear(self, linear)
+        group, sp = _group(mesh), self.sp
+
+        def in_proj(mod, x):
+            params = [_local(m.weight) for m in linears] + [_local(m.bias) for m in linears]
+            return _GatherLinears.apply(x, group, sp, *params)
+        module.in_proj = types.MethodType(in_proj, module)
         return module
 
 

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import meshtron
 from meshtron import ParallelConfig, models
 from meshtron.distributed.collectives import CollectiveCounter
-from meshtron.distributed.local_tensor_parallel import LocalColwise
+from meshtron.distributed.local_tensor_parallel import GatherLinears, LocalColwise, _GatherLinears, gather_seq
 from meshtron.distributed.tensor_parallel import parallelize_module
 from meshtron.models.llama.parallelize import tp_plan
 from meshtron.train.loss import loss_function
@@ -27,9 +27,9 @@ from parity import assert_parity, fb_kwargs, layout, perturbed_builder, pipeline
 SPEC, CFG = models.get("llama-tiny")
 
 
-def _local_parity(rank, world, degrees, sp, pp):
+def _local_parity(rank, world, degrees, sp, pp, overlap=False):
     m = mesh(**degrees)
-    pcfg = ParallelConfig(sp=sp, loss_parallel=True, zero=3)
+    pcfg = ParallelConfig(sp=sp, loss_parallel=True, zero=3, tp_overlap=overlap)
     apply = pipelined(pcfg, SPEC, CFG) if pp else layout(pcfg, SPEC)
     used = []
 
@@ -56,6 +56,45 @@ def test_local_blocks_match_one_process(pools, world, degrees, sp, pp):
     assert_parity([r for r, _ in results], tol=1e-5)
 
 
+@pytest.mark.parametrize("world,degrees,sp,pp", [
+    (2, dict(tp=2), False, False), (2, dict(tp=2), True, False), (4, dict(dp=2, tp=2), True, False),
+    (4, dict(pp=2, tp=2), True, True)], ids=["tp2", "tp2-sp", "dp2xtp2-sp-zero3", "pp2xtp2-sp"])
+def test_overlapped_blocks_match_one_process(pools, world, degrees, sp, pp):
+    results = pools.run(world, _local_parity, degrees, sp, pp, True)
+    assert_parity([r for r, _ in results], tol=1e-5)
+
+
+def _gather_linears_against_plain(rank, world, sp, bias):
+    """_GatherLinears' outputs and gradients, and those of gather_seq + F.linear, on the same inputs."""
+    torch.manual_seed(0)    # the same tensors on every rank, each rank taking its own shards
+    tp_group = mesh(tp=world)["tp"].get_group()
+    group = tp_group.group_name
+    x_all, gys = torch.randn(2, 4 * world, 8), [torch.randn(2, 4 * world, 6 * world) for _ in range(3)]
+    ws, bs = [torch.randn(6 * world, 8) for _ in range(3)], [torch.randn(6 * world) for _ in range(3)]
+    x = x_all.chunk(world, dim=1)[rank] if sp else x_all
+    mine = lambda ts: [t.chunk(world, dim=0)[rank].clone().requires_grad_() for t in ts]   # noqa: E731
+    gys = [g.chunk(world, dim=-1)[rank] for g in gys]
+    results = []
+    for fused in (False, True):
+        xi, wi, bi = x.clone().requires_grad_(), mine(ws), mine(bs) if bias else [None] * 3
+        if fused:
+            ys = _GatherLinears.apply(xi, group, sp, *wi, *bi)
+        else:
+            xg = gather_seq(xi, group) if sp else xi
+            ys = [torch.nn.functional.linear(xg, w, b) for w, b in zip(wi, bi)]
+        torch.autograd.backward(ys, gys)
+        results.append([*ys, xi.grad, *(w.grad for w in wi), *(b.grad for b in bi if b is not None)])
+    if not sp:   # without SP the plain linears' input gradient is partial: copy_to_tp sums it
+        results[0][3] = torch.distributed.all_reduce(results[0][3], group=tp_group) or results[0][3]
+    return [(a - b).abs().max().item() / (b.abs().max().item() + 1e-30) for a, b in zip(*results)]
+
+
+@pytest.mark.parametrize("sp,bias", [(True, False), (True, True), (False, True)], ids=["sp", "sp-bias", "nosp-bias"])
+def test_gather_linears_equal_the_gather_and_the_linears(pools, sp, bias):
+    for errors in pools.run(2, _gather_linears_against_plain, sp, bias):
+        assert len(errors) == (10 if bias else 7) and max(errors) < 1e-6, errors
+
+
 class _DTensorCalls(TorchDispatchMode):
     """Ops dispatched with a DTensor among their arguments (each one a trip through
     DTensor's sharding propagation on the host)."""
@@ -69,11 +108,11 @@ class _DTensorCalls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _step_cost(rank, world, sp, local):
+def _step_cost(rank, world, sp, local, overlap=False):
     """One forward and backward of the TP-only Llama: its DTensor calls and its collectives."""
     m = mesh(tp=world)
     model = SPEC.model_cls(CFG, seed=0)
-    parallelize_module(model, m, tp_plan(model, sp, True, local=local))
+    parallelize_module(model, m, tp_plan(model, sp, True, local=local, overlap=overlap))
     (x, y), = tiny_batches(CFG.vocab_size, steps=1, batch=4, seq=16)
     loss_fn = loss_function(torch.device("cpu"), True)
     forward_backward([model], x, y, m, loss_fn=loss_fn)    # warm DTensor's caches
@@ -87,6 +126,8 @@ def test_local_blocks_move_the_same_bytes_with_a_fraction_of_the_host_calls(pool
     (stock, stock_calls, stock_bytes), _ = pools.run(2, _step_cost, sp, False)
     (local, local_calls, local_bytes), _ = pools.run(2, _step_cost, sp, True)
     assert local_calls == stock_calls and local_bytes == stock_bytes, (local_calls, stock_calls)
+    (_, overlap_calls, overlap_bytes), _ = pools.run(2, _step_cost, sp, True, True)
+    assert overlap_calls == stock_calls and overlap_bytes == stock_bytes, (overlap_calls, stock_calls)
     # what is left are the embedding, the final norm, the head and the loss, which keep DTensor styles
     per_block_stock, per_block_local = stock / CFG.n_layers, local / CFG.n_layers
     assert local < stock / 3, (local, stock)
@@ -97,6 +138,8 @@ def test_local_blocks_move_the_same_bytes_with_a_fraction_of_the_host_calls(pool
 def test_local_colwise_refuses_other_modules():
     with pytest.raises(ValueError, match="nn.Linear only"):
         LocalColwise()._apply(torch.nn.Embedding(4, 4), None)
+    with pytest.raises(ValueError, match="in_proj"):
+        GatherLinears(True, ("0",))._apply(torch.nn.Sequential(torch.nn.Linear(4, 4)), None)
 
 
 def _warnings_from_meshtron(rank, world, argv):
@@ -114,3 +157,42 @@ def test_a_tp2_sp_run_calls_no_deprecated_torch_api(pools):
     argv = ["--model", "llama-tiny", "--tp", "2", "--sp", "--seq-len", "32", "--global-batch", "4",
             "--steps", "2", "--log-interval", "1"]
     assert pools.run(2, _warnings_from_meshtron, argv) == [[], []]
+
+
+def _overlapped_block_compiled(rank, world):
+    """A tp2 + SP Llama block with --tp-overlap, eager and compiled (inductor): its output and
+    gradients, and whether the compiled backward calls the column-parallel backward as one op."""
+    from torch._inductor.utils import run_and_get_code
+    model = SPEC.model_cls(CFG, seed=0)
+    parallelize_module(model, mesh(tp=world), tp_plan(model, True, True, local=True, overlap=True))
+    block, runs = model.layers["0"], []
+    torch.manual_seed(rank)
+    h, gy = torch.randn(2, 8, CFG.dim), torch.randn(2, 8, CFG.dim)
+    for fn in (block, torch.compile(block)):
+        x = h.clone().requires_grad_()
+
+        def step(fn=fn, x=x):
+            out = fn(x)
+            out.backward(gy)
+            return out
+        out, code = run_and_get_code(step) if fn is not block else (step(), [])
+        grads = [p.grad.to_local().clone() for p in block.parameters()]
+        block.zero_grad()
+        runs.append(([out.detach(), x.grad, *grads], "meshtron.column_backward" in "".join(code)))
+    (eager, _), (compiled, opaque) = runs
+    return max((a - b).abs().max().item() for a, b in zip(eager, compiled)), opaque
+
+
+def test_overlapped_block_compiles(pools):
+    """Compiled (inductor, on the CPU here), the overlapped backward stays one op, whose
+    order inductor's scheduler cannot change, and gives the eager numbers."""
+    for error, opaque in pools.run(2, _overlapped_block_compiled, timeout=300):
+        assert error < 1e-5 and opaque, (error, opaque)
+
+
+def test_tp_overlap_with_sp_and_cp_is_refused_in_one_line():
+    from meshtron.config import Config, ConfigError
+    from meshtron.models import PRESETS
+    with pytest.raises(ConfigError, match="--tp-overlap with --sp and --cp is not supported"):
+        Config.from_args(["--model", "llama-tiny", "--tp", "2", "--sp", "--cp", "2", "--tp-overlap"],
+                         models=PRESETS).validate(world_size=4)

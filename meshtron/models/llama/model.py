@@ -97,14 +97,19 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
+    def in_proj(self, x):
+        """q, k, v of x, (B, T, width) each; a layout may compute the three as one."""
+        return self.wq(x), self.wk(x), self.wv(x)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
                 mask=None) -> torch.Tensor:
-        B, T = x.shape[0], x.shape[1]      # the full sequence: under SP the input was all-gathered
+        q, k, v = self.in_proj(x)
+        B, T = q.shape[0], q.shape[1]      # the full sequence, also where a layout hands in a shard of x
         if positions is None:
             positions = torch.arange(T, device=x.device)
-        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)    # (B, local heads, T, hd)
-        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)    # (B, local KV heads, T, hd)
-        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)    # (B, local heads, T, hd)
+        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)    # (B, local KV heads, T, hd)
+        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)
         angles = positions.float().unsqueeze(-1) * self.inv_freq     # (T, hd/2), or (B, T, hd/2) per sample
         if angles.dim() == 3:
             angles = angles.unsqueeze(1)                               # over the heads
@@ -126,8 +131,12 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
         self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
 
+    def in_proj(self, x):
+        """The gate and the up projection of x; a layout may compute the two as one."""
+        return self.w1(x), self.w3(x)
+
     def forward(self, x):
-        gate, up = self.w1(x), self.w3(x)
+        gate, up = self.in_proj(x)
         if self.fused and gate.is_cuda:
             from meshtron.kernels_triton import swiglu
             return self.w2(swiglu(gate, up))

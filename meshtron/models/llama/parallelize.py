@@ -11,7 +11,13 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from meshtron.config import ParallelConfig
 from meshtron.distributed import async_tp, expert_parallel
 from meshtron.distributed.context_parallel import apply_cp
-from meshtron.distributed.local_tensor_parallel import GatherInput, LocalColwise, LocalNorm, LocalRowwise
+from meshtron.distributed.local_tensor_parallel import (
+    GatherInput,
+    GatherLinears,
+    LocalColwise,
+    LocalNorm,
+    LocalRowwise,
+)
 from meshtron.distributed.mesh import degree
 from meshtron.distributed.parallelize import apply_compile, apply_dp, apply_fp8, compile_options, fp8_tp_plan
 from meshtron.distributed.pipeline_parallel import split_layers
@@ -39,12 +45,15 @@ def check_layout(cfg, degrees: dict[str, int], parallel: ParallelConfig, seq_len
                                                         "the vocabulary size": cfg.vocab_size})
 
 
-def tp_plan(model: nn.Module, sp: bool, loss_parallel: bool, moe: bool = False, local: bool = False) -> dict:
+def tp_plan(model: nn.Module, sp: bool, loss_parallel: bool, moe: bool = False, local: bool = False,
+            overlap: bool = False) -> dict:
     """Megatron's plan on torchtitan's module names: wq, wk, wv and w1, w3
     column-parallel (whole heads of q and of k/v per rank), wo and w2 row-parallel.
     `local` (dense blocks only): the blocks compute on local tensors
     (local_tensor_parallel.py); the embedding, the final norm and the head keep the
-    DTensor styles, whose outputs the pipeline and the losses take."""
+    DTensor styles, whose outputs the pipeline and the losses take. `overlap` (with
+    `local`): each block's gather and its column-parallel linears are one function
+    whose backward hides the gather's reduce-scatter behind the weight gradients."""
     seq = Shard(1) if sp else Replicate()
     norm = SequenceParallel() if sp else ReplicateParallel()
     plan = {
@@ -73,6 +82,9 @@ def tp_plan(model: nn.Module, sp: bool, loss_parallel: bool, moe: bool = False, 
                  "layers.*.ffn_norm": LocalNorm(sp), "layers.*.feed_forward": GatherInput(sp),
                  "layers.*.feed_forward.w1": LocalColwise(), "layers.*.feed_forward.w3": LocalColwise(),
                  "layers.*.feed_forward.w2": LocalRowwise(sp)}
+        if overlap:
+            plan |= {"layers.*.attention": GatherLinears(sp, ("wq", "wk", "wv")),
+                     "layers.*.feed_forward": GatherLinears(sp, ("w1", "w3"))}
     present = {n for n, m in model.named_modules() if m is not None}
     return {k: v for k, v in plan.items() if any(matches(k, n) for n in present)}
 
@@ -81,7 +93,8 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig, moe: 
     tp_mesh, sp = tp_mesh_of(mesh), parallel.sp
     # FP8's and async TP's styles, and the MoE blocks' routing, work on DTensors: those keep DTensor blocks
     local = parallel.fp8 == "none" and not parallel.async_tp and not moe
-    plan = fp8_tp_plan(tp_plan(model, sp, parallel.loss_parallel, bool(moe), local), model, mesh, parallel)
+    plan = fp8_tp_plan(tp_plan(model, sp, parallel.loss_parallel, bool(moe), local, parallel.tp_overlap),
+                       model, mesh, parallel)
     parallelize_module(model, tp_mesh, async_tp.apply(plan, tp_mesh, parallel), leave=moe)
     if sp:
         cast_output_to_autocast_dtype([m for n, m in model.named_modules()
