@@ -134,7 +134,13 @@ SUITES = {
     "tp2-overlap": [mt("tp2 + SP", 2, "tp2_compile", l1b(32), "torchtitan tp2"),
                     mt("tp2 + SP --tp-overlap", 2, "tp2_overlap_compile", l1b(32), "torchtitan tp2"),
                     tt("torchtitan tp2", 2, "llama1b_tp2_compile", **TT16),
-                    mt("tp2 + SP --async-tp", 2, "tp2_async_compile", l1b(32), "torchtitan tp2")],
+                    mt("tp2 + SP --async-tp", 2, "tp2_async_compile", l1b(32), "torchtitan tp2"),
+                    # NCCL's kernels on fewer SMs, leaving the matmuls beside an overlapped collective more
+                    mt("tp2 + SP --tp-overlap, NCCL_MAX_CTAS=8", 2, "tp2_overlap_compile", l1b(32), "torchtitan tp2",
+                       NCCL_MAX_CTAS="8"),
+                    mt("tp2 + SP --tp-overlap, NCCL_MAX_CTAS=4", 2, "tp2_overlap_compile", l1b(32), "torchtitan tp2",
+                       NCCL_MAX_CTAS="4"),
+                    mt("tp2 + SP, NCCL_MAX_CTAS=8", 2, "tp2_compile", l1b(32), "torchtitan tp2", NCCL_MAX_CTAS="8")],
     # the same at four GPUs
     "tp4": [tt("torchtitan tp4", 4, "llama1b_tp4_compile", **TT16),
             mt("tp4 + SP", 4, "tp4_compile", l1b(16), "torchtitan tp4"),
