@@ -108,7 +108,9 @@ class ParallelConfig:
     moe_dispatch: str = field(default="exact", metadata={"choices": ("exact", "padded")})
     ("mixture of experts under --ep: exact all-to-alls (split sizes copied to the host: one device sync "
      "per layer) or padded ones (equal splits of every rank's copies: no host sync, ep x the all-to-all "
-     "bytes and buffers); exact is the default, padded was measured on two H100s (benchmarks/RESULTS.md)")
+     "bytes and buffers); measured on two H100s, llama-moe-3B --ep 2 --zero 2: padded slower compiled "
+     "(34.8k against 45.8k tokens/s/GPU), within the rounds' spread eager (35.7k against 33.6k) "
+     "(benchmarks/RESULTS.md)")
     loss_parallel: bool = True
     """cross-entropy on vocab-sharded logits under tp (else the logits are gathered)"""
     fused_loss: bool = False

@@ -16,9 +16,10 @@ copies its split sizes to the host, which waits for the GPU once per layer. The
 padded one (PaddedAllToAllDispatch, --moe-dispatch padded) sends every rank a
 block of every copy this rank has, T k rows, real ones first: equal splits, no
 host sync and static shapes, for ep x the all-to-all bytes, received rows and
-expert rows (torch._grouped_mm computes only the real ones). For the dense parameters ep is one
-more data-parallel axis (the batch is sharded over dp x ep; FSDP over dp x cp x
-ep). Expert weights are FSDP-sharded over expert_dp (dp x cp), and since each
+expert rows (torch._grouped_mm computes only the real ones).
+
+For the dense parameters ep is one more data-parallel axis (the batch is sharded
+over dp x ep; FSDP over dp x cp x ep). Expert weights are FSDP-sharded over expert_dp (dp x cp), and since each
 expert sees the tokens of every ep rank, their gradients are divided by
 dp x cp x ep like the dense ones: by dp x cp in FSDP's reduction, by ep on
 their way out of the experts (dividing by expert_dp alone would scale them by

@@ -165,9 +165,9 @@ class Experts(nn.Module):
     """n_experts MLPs as one 3-D weight per projection; forward takes the tokens
     sorted by expert and each expert's row count (a tensor on their device).
     Rows past the last expert's (a padded dispatch's) are padding: their outputs
-    are unspecified and they add nothing to any gradient. SwiGLU's w1 holds the gate and up projections side by side, [E, dim, 2h]: one
-    grouped GEMM for both (Megatron's fused fc1), whose fixed cost per call
-    dominates small groups."""
+    are unspecified and they add nothing to any gradient. SwiGLU's w1 holds the
+    gate and up projections side by side, [E, dim, 2h]: one grouped GEMM for both
+    (Megatron's fused fc1), whose fixed cost per call dominates small groups."""
 
     def __init__(self, dim: int, cfg: MoEConfig, n_experts: int | None = None):
         super().__init__()
