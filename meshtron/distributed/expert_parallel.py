@@ -11,9 +11,15 @@ ranks holding their experts and back:
                      sorted by local expert
     combine          all_to_all_single back, weighted by the router's scores in fp32
 
-Backward mirrors the two token all-to-alls. For the dense parameters ep is one
-more data-parallel axis (the batch is sharded over dp x ep; FSDP over dp x cp x
-ep). Expert weights are FSDP-sharded over expert_dp (dp x cp), and since each
+Backward mirrors the two token all-to-alls. The exact dispatch (AllToAllDispatch)
+copies its split sizes to the host, which waits for the GPU once per layer. The
+padded one (PaddedAllToAllDispatch, --moe-dispatch padded) sends every rank a
+block of every copy this rank has, T k rows, real ones first: equal splits, no
+host sync and static shapes, for ep x the all-to-all bytes, received rows and
+expert rows (torch._grouped_mm computes only the real ones).
+
+For the dense parameters ep is one more data-parallel axis (the batch is sharded
+over dp x ep; FSDP over dp x cp x ep). Expert weights are FSDP-sharded over expert_dp (dp x cp), and since each
 expert sees the tokens of every ep rank, their gradients are divided by
 dp x cp x ep like the dense ones: by dp x cp in FSDP's reduction, by ep on
 their way out of the experts (dividing by expert_dp alone would scale them by
@@ -119,11 +125,54 @@ class AllToAllDispatch(nn.Module):
         return out.to(x.dtype)
 
 
-def apply_moe(moe_blocks: list[nn.Module], mesh: DeviceMesh) -> None:
+class PaddedAllToAllDispatch(AllToAllDispatch):
+    """The same copies, experts and sums as AllToAllDispatch, over all-to-alls of
+    equal splits: nothing waits for the GPU. Every rank sends each ep rank a block
+    of C = T k rows (all of its copies, so none is ever dropped): its copies for
+    that rank at the start, sorted by expert, zeros after. The counts, exchanged
+    on the device as before, say which received rows are real; those go to the
+    experts sorted by (local expert, source) as the exact dispatch sorts them, the
+    padding after the last expert's rows, and come back the same way. Costs ep x
+    the exact dispatch's all-to-all bytes and buffers."""
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, mlp: nn.Module) -> torch.Tensor:
+        k, ep = experts.shape[1], self.ep
+        n_experts = mlp.w1.shape[0]
+        local_e = n_experts // ep
+        flat = experts.flatten()
+        c = flat.numel()                             # the block: every copy of this rank
+        order = flat.argsort(stable=True)            # copies grouped by expert, so by destination rank too
+        sent = counts(flat, n_experts)
+        got = all_to_all_single(sent, None, None, self.group).view(ep, local_e)   # [source rank, my expert]
+        # sorted copy i goes to rank d (its expert's), row i - (copies for ranks before d) of block d
+        per_rank = sent.view(ep, local_e).sum(1)
+        dest = flat[order] // local_e
+        slot = torch.arange(c, device=x.device)
+        pos = dest * c + slot - (per_rank.cumsum(0) - per_rank)[dest]
+        send = x.new_zeros(ep * c, x.shape[1]).index_copy(0, pos, x[order // k])
+        rows = all_to_all_single_autograd(send, None, None, self.group)      # block s: rank s's copies for me
+        # each received row's local expert (local_e past block s's real rows): the key
+        # (expert, source) sorts the real rows as the exact dispatch does, the padding last
+        expert_of = torch.searchsorted(got.cumsum(1), slot.expand(ep, c).contiguous(), right=True)
+        by_expert = (expert_of * ep + torch.arange(ep, device=x.device)[:, None]).flatten().argsort(stable=True)
+        y = mlp(rows[by_expert], got.sum(0))
+        # rows past the last expert's: torch._grouped_mm leaves them unwritten (anything, NaN too)
+        y = torch.where((torch.arange(ep * c, device=x.device) < got.sum())[:, None], y, 0)
+        y = torch.empty_like(y).index_copy(0, by_expert, y)
+        back = all_to_all_single_autograd(y, None, None, self.group)        # block d: my copies' rows from rank d
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        out.index_add_(0, order // k, back[pos].float() * weights.flatten()[order, None])
+        return out.to(x.dtype)
+
+
+DISPATCHES = {"exact": AllToAllDispatch, "padded": PaddedAllToAllDispatch}
+
+
+def apply_moe(moe_blocks: list[nn.Module], mesh: DeviceMesh, dispatch: str = "exact") -> None:
     """Lay out MoE blocks on the mesh: expert weights Shard(0) over ep and an
-    all-to-all dispatch when ep > 1; routing statistics summed over the ranks with
-    other tokens, each sequence's parts gathered over cp. Call before tensor
-    parallelism, which then leaves them as they are."""
+    all-to-all dispatch (`dispatch`: DISPATCHES) when ep > 1; routing statistics
+    summed over the ranks with other tokens, each sequence's parts gathered over
+    cp. Call before tensor parallelism, which then leaves them as they are."""
     ep = degree(mesh, "ep")
     n_token_ranks = degree(mesh, "loss")
     group = submesh(mesh, "loss").get_group() if n_token_ranks > 1 else None
@@ -134,7 +183,7 @@ def apply_moe(moe_blocks: list[nn.Module], mesh: DeviceMesh) -> None:
             for pname, p in list(moe.experts.named_parameters(recurse=False)):
                 moe.experts.register_parameter(pname, nn.Parameter(
                     distribute_tensor(p, mesh["ep"], [Shard(0)], src_data_rank=None), p.requires_grad))
-            moe.dispatch = AllToAllDispatch(mesh["ep"])
+            moe.dispatch = DISPATCHES[dispatch](mesh["ep"])
             # the loss carries the dp x cp x ep factor that FSDP divides out; FSDP over
             # expert_dp divides expert gradients by dp x cp: the rest, 1/ep, here
             moe.experts.forward = functools.partial(local_experts, moe.experts, grad_scale=1.0 / ep)

@@ -30,7 +30,8 @@ Where each comes from, per micro-batch unless said:
 - EP: per MoE block an all-to-all of the expert counts, of the token copies
   there and back, and both again backward. What a rank receives depends on the
   routing: predicted as if every rank received what it sends (exact summed
-  over the ranks).
+  over the ranks). The padded dispatch (--moe-dispatch padded) sends every ep
+  rank a block of all of this rank's copies: ep x the bytes, whatever the routing.
 - PP: each activation to the next stage on another rank, its gradient back;
   tied weights' gradients between the ranks holding their copies.
 - Scalars: the loss' token count and sum over dp x cp x ep, the gradient norm
@@ -245,7 +246,8 @@ def _moe_blocks(t: _Tally, s: _Step, blocks: int) -> None:
         t.add("all_gather", seq, tokens * k * 8, m * (1 + refwd), part="cp")
     if s.d["ep"] > 1:
         t.add("all_to_all", "ep", 8 * E, m * (1 + refwd), part="ep")
-        t.add("all_to_all", "ep", tokens * k * s.cfg.dim * s.a, m * (4 + 2 * refwd), part="ep")
+        blocks_sent = s.d["ep"] if s.par.moe_dispatch == "padded" else 1
+        t.add("all_to_all", "ep", blocks_sent * tokens * k * s.cfg.dim * s.a, m * (4 + 2 * refwd), part="ep")
 
 
 def _tp_embedding(t: _Tally, s: _Step) -> None:

@@ -148,7 +148,7 @@ def comm_s(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: int, 
     return out["tp"], out["ep"], out["cp"], out["pp"], out["dp"], issued
 
 
-def _layer_elements(cfg, t: int, sp: bool) -> float:
+def _layer_elements(cfg, t: int, sp: bool, routed_blocks: int = 1) -> float:
     """Elements per token one layer saves for backward on a tp rank, with flash
     attention and no dropout. The inputs of the two norms (split over tp by SP) and
     of the two column-parallel matmuls: those stay whole, since autograd keeps the
@@ -156,14 +156,21 @@ def _layer_elements(cfg, t: int, sp: bool) -> float:
     backward); Q, K, V (K and V at the kv heads' width), the output projection's
     input and the MLP's: the activation's input and output (GeLU), or gate, up and
     their product (SwiGLU), split over tp; a mixture of experts runs top_k experts
-    (and its shared ones) per token."""
+    (and its shared ones) per token, on `routed_blocks` x as many rows under the
+    padded dispatch (its ep blocks, padding included)."""
     h = cfg.dim
     kv = getattr(cfg, "n_kv_heads", cfg.n_heads) * (h // cfg.n_heads)
     moe = getattr(cfg, "moe", None)
     swiglu = moe.activation == "swiglu" if moe else hasattr(cfg, "ffn_dim")
-    width = (moe.top_k + moe.n_shared) * moe.hidden if moe else (cfg.ffn_dim if swiglu else cfg.ffn_mult * h)
+    width = (routed_blocks * moe.top_k + moe.n_shared) * moe.hidden if moe else \
+        (cfg.ffn_dim if swiglu else cfg.ffn_mult * h)
     split = 2 * h + 2 * kv + (3 if swiglu else 2) * width
     return 2 * h / (t if sp else 1) + 2 * h + split / t
+
+
+def _routed_blocks(par: ParallelConfig) -> int:
+    """The blocks of rows an MoE block's experts take per copy: ep under the padded dispatch."""
+    return par.ep if par.moe_dispatch == "padded" and par.ep > 1 else 1
 
 
 def activation_bytes(cfg, par: ParallelConfig, micro_batch: int, seq_len: int, layers: int, head: bool = True) -> float:
@@ -173,7 +180,7 @@ def activation_bytes(cfg, par: ParallelConfig, micro_batch: int, seq_len: int, l
     the gradients the fused loss keeps)."""
     d = par.degrees()
     tokens, h, t = micro_batch * seq_len / d["cp"], cfg.dim, d["tp"]
-    full = 2 * tokens * _layer_elements(cfg, t, par.sp)
+    full = 2 * tokens * _layer_elements(cfg, t, par.sp, _routed_blocks(par))
     if par.recompute == "full":   # each layer's input, and one layer's activations while it is recomputed
         held = 2 * tokens * h / (t if par.sp else 1) * layers + full
     elif par.recompute == "selective":   # Korthikanti et al.: the matmul outputs stay, the rest is recomputed
@@ -204,7 +211,7 @@ def compute_s(cfg, par: ParallelConfig, tokens: int, seq_len: int, hw: Hardware,
     matmul = cfg.flops_per_token(seq_len) * tokens / shard - attention
     if par.recompute == "full":
         matmul, attention = matmul * 4 / 3, attention * 4 / 3
-    elementwise = 3 * 2 * tokens / d["cp"] * _layer_elements(cfg, d["tp"], par.sp) * layers
+    elementwise = 3 * 2 * tokens / d["cp"] * _layer_elements(cfg, d["tp"], par.sp, _routed_blocks(par)) * layers
     if par.recompute == "selective":   # the memory-bound ops run again, reading what the matmuls saved
         elementwise *= 4 / 3
     optimizer = 28 * cfg.num_params() / math.prod(d.values())

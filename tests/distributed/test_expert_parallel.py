@@ -6,6 +6,7 @@ at every ep degree; the collectives of one MoE layer; the recipe's losses under
 five layouts and two micro-batch cuts; checkpoints across ep degrees."""
 import json
 import shutil
+from unittest import mock
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from meshtron import ParallelConfig
 from meshtron.models import GPT, gpt_config
+from meshtron.models.common import moe as moe_module
 from meshtron.models.common.moe import MoE, MoEConfig, capacity_keep, end_step, moe_param_count
 from meshtron.models.gpt import SPEC as GPT_SPEC
 from meshtron.models.llama import SPEC as LLAMA_SPEC
@@ -60,7 +62,11 @@ LAYOUTS = {"ep2": (2, dict(dp=1, ep=2), None),
            "pp2 x ep2": (4, dict(dp=1, pp=2, ep=2), None),
            "cp2 x ep2": (4, dict(dp=1, cp=2, ep=2), None),
            "dp2 x tp2 (no sp)": (4, dict(dp=2, tp=2), dict(zero=2)),
-           "ep2 recompute": (2, dict(dp=1, ep=2), dict(recompute="full"))}
+           "ep2 recompute": (2, dict(dp=1, ep=2), dict(recompute="full")),
+           # the padded dispatch (equal splits, no host sync) under the same checks
+           "ep2 padded": (2, dict(dp=1, ep=2), dict(moe_dispatch="padded")),
+           "dp2 x ep2 padded": (4, dict(dp=2, ep=2), dict(zero=3, moe_dispatch="padded")),
+           "tp2 x ep2 sp padded": (4, dict(dp=1, tp=2, ep=2), dict(sp=True, moe_dispatch="padded"))}
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -70,20 +76,78 @@ def test_moe_layouts_match_one_process(pools, name, model):
     assert_parity(pools.run(world, _parity, model, degrees, extra, timeout=300), TOL)
 
 
+@pytest.mark.parametrize("dispatch", ("exact", "padded"))
 @pytest.mark.parametrize("model", MODELS)
-def test_an_ep_rank_that_receives_no_tokens(pools, model):
+def test_an_ep_rank_that_receives_no_tokens(pools, model, dispatch):
     # experts 6 and 7 (ep rank 3's at ep=4) are never chosen: that rank's experts get
-    # no rows, its backward must still run the all-to-alls and FSDP's reduction (dp2)
-    for world, degrees in ((4, dict(dp=1, ep=4)), (4, dict(dp=2, ep=2))):
-        assert_parity(pools.run(world, _parity, model, degrees, None, None, 3, (6, 7), timeout=300), TOL)
+    # no rows (padded: only padding), its backward must still run the all-to-alls and
+    # FSDP's reduction (dp2; the padded dispatch's layouts run it in test_moe_layouts...)
+    for world, degrees in ((4, dict(dp=1, ep=4)), (4, dict(dp=2, ep=2)))[:2 if dispatch == "exact" else 1]:
+        assert_parity(pools.run(world, _parity, model, degrees, dict(moe_dispatch=dispatch), None, 3, (6, 7),
+                                timeout=300), TOL)
 
 
 def test_capacity_drops_the_same_tokens_at_every_ep_degree(pools):
     # a capacity factor of 1 with top-2 over 8 experts drops copies every step; the
     # drops are decided over every rank's tokens, so ep=2 and ep=4 match one process
+    # (a dropped copy weighs 0 and still travels: the padded dispatch pads it alike)
     moe = MoEConfig(n_experts=8, top_k=2, hidden=32, activation="gelu", capacity=1.0, aux_loss=1e-2)
-    for world, degrees in ((2, dict(dp=1, ep=2)), (4, dict(dp=1, ep=4)), (4, dict(dp=2, ep=2))):
-        assert_parity(pools.run(world, _parity, "gpt", degrees, None, moe, 4), TOL)
+    for world, degrees, extra in ((2, dict(dp=1, ep=2), None), (4, dict(dp=1, ep=4), None),
+                                  (4, dict(dp=2, ep=2), None), (4, dict(dp=1, ep=4), dict(moe_dispatch="padded"))):
+        assert_parity(pools.run(world, _parity, "gpt", degrees, extra, moe, 4), TOL)
+
+
+# ---- the padded dispatch against the exact one ------------------------------------------
+
+def _one_layer(rank, world, model, dispatch, banned, compiled):
+    """One MoE block's output and gradients (input, router, this rank's expert shards) at
+    ep=world under `dispatch`; `banned` experts never chosen. Compiled: the block under
+    torch.compile (aot_eager: dynamo and autograd's tracing, no inductor) with fullgraph,
+    which refuses a host sync (a graph break)."""
+    from meshtron.distributed.expert_parallel import apply_moe
+    cfg = MoEConfig(**{**(GPT_MOE if model == "gpt" else LLAMA_MOE).__dict__, "batch_balance": 0})
+    torch.manual_seed(0)
+    block = MoE(64, cfg)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    block.router.expert_bias[list(banned)] = float("-inf")
+    apply_moe([block], mesh(dp=1, ep=world), dispatch)
+    x = torch.randn(2, SEQ, 64, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+    if compiled:
+        torch._dynamo.reset()
+        block.dispatch = torch.compile(block.dispatch, backend="aot_eager", fullgraph=True)
+    with mock.patch.object(moe_module, "grouped_mm", _device_grouped_mm if compiled else moe_module.grouped_mm):
+        y = block(x)
+        (y * torch.linspace(-1, 1, 64)).sum().backward()
+    grads = [x.grad, block.router.gate.weight.grad] + [p.grad.to_local() for p in block.experts.parameters()]
+    return [t.detach().clone() for t in [y, *grads]]
+
+
+def _device_grouped_mm(x, w, counts):
+    """grouped_mm as torch._grouped_mm runs it on a GPU: offsets on the device (the CPU's
+    loop copies the counts to the host), the rows past the last group left out of the
+    weights' gradient and their output NaN (the kernel leaves it unwritten)."""
+    group = torch.searchsorted(counts.cumsum(0), torch.arange(x.shape[0]), right=True)
+    inside = (group < w.shape[0])[:, None]
+    y = torch.bmm(torch.where(inside, x, 0)[:, None], w.to(x.dtype)[group.clamp_max(w.shape[0] - 1)])[:, 0]
+    return torch.where(inside, y, float("nan"))
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_the_padded_dispatch_equals_the_exact_one(pools, model):
+    # one MoE block at ep=2 and ep=4 (where rank 3 receives no tokens): the same output and
+    # gradients as the exact dispatch's, to the bit with the CPU's grouped GEMM; at ep=2 also
+    # compiled with fullgraph (no graph break: no host sync; the exact dispatch breaks at its
+    # .tolist()) and NaN in the rows past the last expert's, to fp32 rounding (a batched matmul
+    # in place of the loop)
+    for world, banned in ((2, ()), (4, (6, 7))):
+        runs = [("exact", False), ("padded", False)] + [("padded", True)] * (world == 2)
+        exact, padded, *compiled = ([r for r in pools.run(world, _one_layer, model, dispatch, banned, c, timeout=300)]
+                                    for dispatch, c in runs)
+        for rank in range(world):
+            assert all(torch.equal(a, b) for a, b in zip(padded[rank], exact[rank])), (world, rank)
+            assert all(a.isfinite().all() and (a - b).norm() <= TOL * b.norm()
+                       for got in compiled for a, b in zip(got[rank], exact[rank])), (world, rank)
 
 
 def test_capacity_keeps_the_highest_scores_per_expert():

@@ -92,7 +92,7 @@ def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig
     moe = [b.mlp for b in blocks if isinstance(b.mlp, MoE)]
     apply_fp8(model, mesh, parallel, FP8_SKIP)
     if moe:
-        expert_parallel.apply_moe(moe, mesh)
+        expert_parallel.apply_moe(moe, mesh, parallel.moe_dispatch)
     if degree(mesh, "tp") > 1:
         apply_tp(model, mesh, parallel, moe)
     if degree(mesh, "cp") > 1:
