@@ -77,7 +77,7 @@ LAYOUTS = {
 
 # layouts the dry run alone plays (it counts what gloo counts for the layouts above): the
 # planner's collectives against it under recompute, bf16 with accumulation, the other CP
-# variants, DDP over two axes, MoE with TP (exact and padded dispatch), capacity or a pipeline, the
+# variants, DDP over two axes, MoE with TP, capacity or a pipeline, the
 # fused loss under tp (one all-gather per chunk)
 DRY_ONLY = {
     2: [["--model", "llama-moe-tiny", "--dp", "2", "--moe-capacity", "1.25"],
@@ -93,7 +93,6 @@ DRY_ONLY = {
         ["--model", "llama-tiny", "--dp", "2", "--cp", "2", "--zero", "0"],   # DDP's all-reduce over dp+cp
         ["--model", "llama-tiny", "--cp", "2", "--cp-comm", "a2a", "--tp", "2", "--recompute", "full"],
         ["--model", "llama-moe-tiny", "--tp", "2", "--sp", "--ep", "2"],
-        ["--model", "llama-moe-tiny", "--tp", "2", "--sp", "--ep", "2", "--moe-dispatch", "padded"],
         ["--model", "llama-moe-tiny", "--pp", "2", "--ep", "2", "--global-batch", "8", "--micro-batch", "2"]],
 }
 
