@@ -112,9 +112,25 @@ class Rowwise(RowwiseParallel):
         return super()._apply(module, mesh)
 
 
+class VocabParallel(RowwiseParallel):
+    """Embedding rows (the vocabulary) split over tp; the partial lookups are summed
+    (all-reduce, or reduce-scatter onto the sequence under SP) and waited for here.
+    torch's style leaves that collective pending (an AsyncCollectiveTensor) until its
+    first use, inside the first block. A block compiled by torch 2.13 returns no
+    gradient for such an input (2.11 does): the embedding's gradient was lost and the
+    redistribute's backward, handed a plain tensor, failed. The first use is the next
+    op either way, so waiting here costs no overlap."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts, async_op=False)
+        return outputs.to_local(grad_placements=outputs.placements) if use_local_output else outputs
+
+
 def vocab_parallel(sp: bool = False) -> RowwiseParallel:
     """Embedding rows (the vocabulary) split over tp; the partial lookups are summed."""
-    return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())
+    return VocabParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())
 
 
 STYLES = {
