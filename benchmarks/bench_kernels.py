@@ -471,14 +471,15 @@ def main():
 
     rows = Rows()
     liger_ln = liger("layer_norm", "LigerLayerNormFunction") if "layer_norm" in args.only else None
-    for n in (1024, 4096, 8192) if "layer_norm" in args.only else ():
+    widths = (1024,) if SMOKE else (1024, 4096, 8192)   # a smoke run: each path once
+    for n in widths if "layer_norm" in args.only else ():
         bench_layer_norm(args.rows, n, args, compile_kw, rows, liger_ln)
     if "bias_gelu" in args.only:
         bench_bias_gelu(args.rows, args, compile_kw, rows)
     # Llama: RMSNorm, SwiGLU
     liger_rms = liger("rms_norm", "LigerRMSNormFunction") if "rms_norm" in args.only else None
     liger_sw = liger("swiglu", "LigerSiLUMulFunction") if "swiglu" in args.only else None
-    for model, h, f in LLAMA:
+    for model, h, f in LLAMA[:1] if SMOKE else LLAMA:
         if "rms_norm" in args.only:
             bench_rms_norm(args.llama_rows, h, model, args, compile_kw, rows, liger_rms)
         if "swiglu" in args.only:
