@@ -35,19 +35,19 @@ def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-12) -> float:
     return float((a - b).norm() / b.norm().clamp_min(floor))
 
 
-def sharded_errors(named, ref: dict, floor: float) -> dict[str, float]:
-    """{name: rel_err(full(t), ref[name])} for (name, t) pairs, without gathering: each
+def sharded_errors(named, ref: dict, floor: float) -> list[tuple[str, float]]:
+    """[(name, rel_err(full(t), ref[name]))] for (name, t) pairs, without gathering: each
     rank compares its shard with the same slice of the reference (distribute_tensor with
     src_data_rank=None slices, sending nothing), and the squared differences are summed
     over each mesh in one all-reduce, a replicated shard counted once. A gather per tensor
     and step was most of a tiny model's parity check."""
-    out, per_mesh = {}, {}
+    out, per_mesh = [], {}
     for n, t in named:
         r = ref[n]
         if t is None or t.shape != r.shape:
-            out[n] = float("inf")
+            out.append((n, float("inf")))
         elif not isinstance(t, DTensor) or any(p.is_partial() for p in t.placements):
-            out[n] = rel_err(full(t), r, floor)
+            out.append((n, rel_err(full(t), r, floor)))
         else:
             mine = distribute_tensor(r, t.device_mesh, t.placements, src_data_rank=None).to_local()
             copies = math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements) if p.is_replicate())
@@ -57,7 +57,7 @@ def sharded_errors(named, ref: dict, floor: float) -> dict[str, float]:
         summed = torch.stack([s for _, s, _ in rows])
         for dim in range(mesh.ndim):
             torch.distributed.all_reduce(summed, group=mesh.get_group(dim))
-        out.update((n, float(s.sqrt() / norm)) for (n, _, norm), s in zip(rows, summed))
+        out += [(n, float(s.sqrt() / norm)) for (n, _, norm), s in zip(rows, summed)]
     return out
 
 
@@ -83,16 +83,17 @@ class ParityReport:
     def grads(self, named, ref_grads: dict, canonical: dict, floor: float) -> None:
         named = [(canonical[clean_name(n)], p.grad) for n, p in named]
         self.names.update(n for n, _ in named)
-        for n, e in sharded_errors(named, ref_grads, floor).items():
+        for n, e in sharded_errors(named, ref_grads, floor):
             if e > self.grad:
                 self.grad, self.worst_grad_name = e, n
 
     def params(self, named, ref_params: dict, canonical: dict) -> None:
         self.ref_names = set(ref_params)
-        for n, p in named:
-            e = rel_err(full(p), ref_params[canonical[clean_name(n)]].detach().float())
+        named = [(canonical[clean_name(n)], p.detach()) for n, p in named]
+        ref = {n: ref_params[n].detach().float() for n, _ in named}
+        for n, e in sharded_errors(named, ref, 1e-12):
             if e > self.param:
-                self.param, self.worst_param_name = e, canonical[clean_name(n)]
+                self.param, self.worst_param_name = e, n
 
 
 # run_parity(noise=True): the layout may err by this many times what fp32 rounding alone
