@@ -21,12 +21,19 @@ from __future__ import annotations
 import datetime
 import functools
 import gc
+import io
+import logging
 import multiprocessing as mp
 import os
+import runpy
+import selectors
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -206,3 +213,78 @@ def train(rank, world, argv, exit_after=None):
     """The recipe's whole run on a pool rank: parse argv, build, train; the losses."""
     from meshtron.train.cli import main
     return main(argv, exit_after=exit_after)
+
+
+# ---- a script's run, forked ------------------------------------------------
+
+_DEFAULT_WARNINGS = list(__import__("warnings").filters)   # as the interpreter set them, before any test
+
+
+def run_script(argv: list[str], env: dict | None = None, cwd: str | None = None,
+               timeout: float = 300) -> subprocess.CompletedProcess:
+    """What `subprocess.run([sys.executable, *argv], capture_output=True, text=True, ...)`
+    returns, the script run in a child forked from this process: torch and meshtron are
+    imported already, where a fresh interpreter spends seconds of CPU on them before the
+    script's first line. argv: a script and its arguments, or "-m", a module and its
+    arguments. For what a script does; a test of how a fresh process starts (what it imports,
+    what it prints on import) starts one."""
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:   # the child: never returns into pytest
+        code = 1
+        try:
+            os.dup2(out_w, 1)
+            os.dup2(err_w, 2)
+            for fd in (out_r, out_w, err_r, err_w):
+                os.close(fd)
+            sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
+            sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True)
+            warnings.filters[:] = _DEFAULT_WARNINGS
+            warnings.showwarning = warnings._showwarning_orig
+            logging.root.handlers.clear()   # pytest's capture
+            if env is not None:
+                os.environ.clear()
+                os.environ.update(env)
+            if cwd is not None:
+                os.chdir(cwd)
+            sys.argv = list(argv[1:]) if argv[0] == "-m" else list(argv)
+            if argv[0] == "-m":
+                runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+            else:
+                sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+                runpy.run_path(argv[0], run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        except BaseException:   # noqa: BLE001 - as the interpreter reports it
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    os.close(out_w)
+    os.close(err_w)
+    chunks = {out_r: [], err_r: []}
+    with selectors.DefaultSelector() as sel:
+        for fd in chunks:
+            sel.register(fd, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout
+        while sel.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise subprocess.TimeoutExpired(argv, timeout)
+            for key, _ in sel.select(left):
+                data = os.read(key.fd, 1 << 16)
+                if data:
+                    chunks[key.fd].append(data)
+                else:
+                    sel.unregister(key.fd)
+                    os.close(key.fd)
+    _, status = os.waitpid(pid, 0)
+    out, err = (b"".join(chunks[fd]).decode(errors="replace") for fd in (out_r, err_r))
+    return subprocess.CompletedProcess(argv, os.waitstatus_to_exitcode(status), out, err)

@@ -12,7 +12,7 @@ from meshtron.models import GPT, gpt_config
 from meshtron.models.gpt import hf as gpt2
 from meshtron.train import checkpoint, hf
 
-from harness import RankError
+from harness import RankError, run_script
 from harness import train as _train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -311,8 +311,7 @@ def _files(root) -> dict:
 
 
 def _recipe(*args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "train.py"), *args], capture_output=True,
-                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return run_script([os.path.join(ROOT, "recipes", "train.py"), *args])
 
 
 def test_another_models_checkpoints_are_refused_and_left_byte_identical(tmp_path):
@@ -356,8 +355,7 @@ def test_retention_removes_only_checkpoints_of_its_own_model(pools, tmp_path):
 
 
 def _generate(*args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "generate.py"), *args], capture_output=True,
-                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return run_script([os.path.join(ROOT, "recipes", "generate.py"), *args])
 
 
 def test_a_run_says_what_it_wrote_and_generation_reads_its_directory(tmp_path):
@@ -456,13 +454,12 @@ def test_a_transformers_config_read_from_a_saved_model_saves_resumes_and_refuses
 def test_own_model_refuses_another_models_checkpoint_with_one_line(tmp_path):
     # docs/own-model.md: "a run of another model refuses it with one line, as the trainer's does"
     ck = str(tmp_path / "ck")
-    own = [sys.executable, os.path.join(ROOT, "recipes", "own_model.py"), "--tp", "1", "--steps", "1",
-           "--checkpoint-dir", ck]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    first = subprocess.run(own, capture_output=True, text=True, timeout=300, env=env)
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaForCausalLM   # imported once here, not in each forked run  # noqa: B018
+    own = [os.path.join(ROOT, "recipes", "own_model.py"), "--tp", "1", "--steps", "1", "--checkpoint-dir", ck]
+    first = run_script(own)
     assert first.returncode == 0 and "saved checkpoint" in first.stdout, first.stderr[-3000:]
-    other = subprocess.run(own[:-4] + ["--steps", "2", "--checkpoint-dir", ck, "--hidden-size", "64"],
-                           capture_output=True, text=True, timeout=300, env=env)
+    other = run_script(own[:-4] + ["--steps", "2", "--checkpoint-dir", ck, "--hidden-size", "64"])
     lines = other.stderr.strip().splitlines()
     assert other.returncode == 1 and other.stdout == "" and len(lines) == 1, other.stderr[-3000:]
     assert lines[0].startswith(f"error: checkpoint {ck}/step-00000001 is for another model: hidden_size=128 there, "

@@ -18,6 +18,8 @@ from meshtron.config import ParallelConfig
 from meshtron.distributed.mesh import resolve_degrees
 from meshtron.planner import plan
 
+from harness import run_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--seq-len", "16", "--steps", "1", "--log-interval", "1", "--max-norm", "1.0"]
 
@@ -255,9 +257,8 @@ def test_the_planners_help_explains_every_flag_the_columns_and_calibrate(capsys)
     ("--model llama-moe-3B --ep 8 --zero 3 --seq-len 4096", 8, [0, 7]),
 ], ids=["llama-moe-3B ep8"])
 def test_the_dry_run_command_prints_the_planners_bytes_for_large_layouts(argv, world, ranks):
-    cmd = [sys.executable, "recipes/train.py", *argv.split(), "--dry-run", str(world),
-           "--dry-run-ranks", ",".join(map(str, ranks))]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    cmd = ["recipes/train.py", *argv.split(), "--dry-run", str(world), "--dry-run-ranks", ",".join(map(str, ranks))]
+    out = run_script(cmd, timeout=900, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split() for line in out.stdout.splitlines() if line.split() and line.split()[0].isdigit()]
     assert [int(r[0]) for r in rows] == ranks and all(r[-1] == "equal" for r in rows), out.stdout
@@ -270,8 +271,7 @@ def test_the_dry_run_command_prints_the_planners_bytes_for_large_layouts(argv, w
 
 
 def test_the_dry_run_refuses_a_bad_layout_before_building_anything():
-    out = subprocess.run([sys.executable, "recipes/train.py", "--model", "llama-8B", "--tp", "3", "--dry-run", "64"],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out = run_script(["recipes/train.py", "--model", "llama-8B", "--tp", "3", "--dry-run", "64"], timeout=120, cwd=ROOT)
     assert out.returncode == 1 and "does not divide the world size 64" in out.stderr and "rank" not in out.stdout
 
 
@@ -298,9 +298,8 @@ def test_calibrate_times_the_links_collectives_the_same_on_every_rank(pools):
 
 def test_calibrate_writes_a_file_the_planner_reads(tmp_path):
     out = tmp_path / "cal.json"
-    run = subprocess.run([sys.executable, "-m", "meshtron.plan", "calibrate", "--model", "tiny", "--tokens", "128",
-                          "--seq-len", "64", "--out", str(out), "--quick"],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    run = run_script(["-m", "meshtron.plan", "calibrate", "--model", "tiny", "--tokens", "128", "--seq-len", "64",
+                      "--out", str(out), "--quick"], timeout=120, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     hw = plan.hardware(str(out))
     data = json.loads(out.read_text())

@@ -5,12 +5,12 @@ import collections
 import dataclasses
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 
 from meshtron.planner import fit, plan
+
+from harness import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS = os.path.join(ROOT, "meshtron", "planner", "calibration", "h100_measured.jsonl")
@@ -114,9 +114,8 @@ def test_fp8_and_compile_change_the_prediction_as_measured_on_one_gpu():
 
 
 def test_the_plan_prints_compile_fp8_large_micro_batches_and_its_calibration():
-    run = subprocess.run([sys.executable, "-m", "meshtron.plan", "--model", "llama-1B", "--seq-len", "2048",
-                          "--global-batch", "64", "--gpus", "4", "--gpu", "h100", "--compile", "--fp8", "tensorwise",
-                          "--top", "400"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    run = run_script(["-m", "meshtron.plan", "--model", "llama-1B", "--seq-len", "2048", "--global-batch", "64",
+                      "--gpus", "4", "--gpu", "h100", "--compile", "--fp8", "tensorwise", "--top", "400"], cwd=ROOT)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
     assert lines[1].startswith("calibration: ") and "h100_measured.jsonl" in lines[1]
@@ -126,8 +125,7 @@ def test_the_plan_prints_compile_fp8_large_micro_batches_and_its_calibration():
 
 
 def test_an_unknown_gpu_is_a_one_line_error():
-    run = subprocess.run([sys.executable, "-m", "meshtron.plan", "--model", "llama-1B", "--seq-len", "2048",
-                          "--global-batch", "8", "--gpus", "1", "--gpu", "a100"], capture_output=True, text=True,
-                         cwd=ROOT, timeout=120)
+    run = run_script(["-m", "meshtron.plan", "--model", "llama-1B", "--seq-len", "2048", "--global-batch", "8",
+                      "--gpus", "1", "--gpu", "a100"], cwd=ROOT, timeout=120)
     assert run.returncode != 0 and run.stderr.strip().splitlines() == [
         "error: --gpu 'a100': neither h200, h100 nor a calibration file"]

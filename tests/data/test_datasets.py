@@ -4,8 +4,6 @@ weighted blends."""
 import json
 import os
 import struct
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -20,6 +18,8 @@ from meshtron.data import (
     open_data,
 )
 from meshtron.data.prepare import prepare
+
+from harness import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TEXTS = ["def main():\n    return 42\n", "class A:\n    pass\n", "import os\nprint(os.getcwd())\n" * 3, "x = 1\n"]
@@ -123,9 +123,8 @@ def test_prepare_round_trips_document_by_document(tmp_path):
         for t in TEXTS[2:]:
             f.write(json.dumps({"text": t, "id": 0}) + "\n")
     inputs = [str(tmp_path / "doc0.txt"), str(tmp_path / "doc1.txt"), str(tmp_path / "more.jsonl")]
-    out = subprocess.run([sys.executable, "-m", "meshtron.data.prepare", *inputs, "--output-prefix",
-                          str(tmp_path / "out" / "corpus"), "--tokenizer", tok_dir, "--workers", "2"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    out = run_script(["-m", "meshtron.data.prepare", *inputs, "--output-prefix", str(tmp_path / "out" / "corpus"),
+                      "--tokenizer", tok_dir, "--workers", "2"], cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "4 documents" in out.stderr and "\r" not in out.stderr   # a log gets whole lines
     ds = IndexedDataset(str(tmp_path / "out" / "corpus"))
