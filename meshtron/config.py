@@ -353,9 +353,17 @@ def preset_training(models, preset: str) -> dict:
 
 
 @functools.cache
+def _classes(module: str) -> dict[str, ast.ClassDef]:
+    """The module's top-level classes, parsed once (inspect.getsource of a class parses the
+    whole module again for each)."""
+    tree = ast.parse(inspect.getsource(sys.modules[module]))
+    return {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+
+
+@functools.cache
 def field_docs(cls) -> dict[str, str]:
     """The string literal under each field: the attribute docstrings of `cls`."""
-    body = ast.parse(inspect.getsource(cls)).body[0].body
+    body = _classes(cls.__module__)[cls.__name__].body
     docs = {}
     for node, nxt in zip(body, body[1:]):
         if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
