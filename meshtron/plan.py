@@ -1,4 +1,4 @@
-"""`python -m meshtron.plan`: the layout planner's command line (meshtron.planner.plan);
+"""`python -m meshtron.plan`: the layout planner's command line (meshtron.planner.cli);
 `python -m meshtron.plan calibrate ...` measures a GPU or fits the multi-GPU terms
 (meshtron.planner.calibrate, which imports the planner: dispatched here, not there)."""
 import sys
@@ -9,7 +9,7 @@ def main(argv=None) -> None:
     if argv[:1] == ["calibrate"]:
         from meshtron.planner.calibrate import main as calibrate
         return calibrate(argv[1:])
-    from meshtron.planner.plan import main as plan
+    from meshtron.planner.cli import main as plan
     return plan(argv)
 
 

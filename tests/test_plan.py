@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from meshtron import models
 from meshtron.config import ParallelConfig
 from meshtron.distributed.mesh import resolve_degrees
-from meshtron.planner import plan
+from meshtron.planner import cli, plan
 
 from harness import run_script
 
@@ -195,14 +195,14 @@ def test_plan_ranks_every_layout_of_64_gpus():
 
 
 def test_the_command_prints_a_ranked_table(capsys):
-    plan.main(["--model", "llama-1B", "--seq-len", "2048", "--global-batch", "32", "--gpus", "4", "--top", "3"])
+    cli.main(["--model", "llama-1B", "--seq-len", "2048", "--global-batch", "32", "--gpus", "4", "--top", "3"])
     out = capsys.readouterr().out
     assert "layouts fit" in out and out.count("meshtron-run --nproc-per-node 4 recipes/train.py --model llama-1B") == 3
 
 
 def test_a_small_job_shows_its_memory_and_no_nodes(capsys):
     # a tiny model printed 0.0 in every GiB column, and "2 x h200 (8 per node)" for two GPUs
-    plan.main(["--model", "tiny", "--seq-len", "64", "--global-batch", "8", "--gpus", "2", "--top", "3"])
+    cli.main(["--model", "tiny", "--seq-len", "64", "--global-batch", "8", "--gpus", "2", "--top", "3"])
     out = capsys.readouterr().out
     header, calibration, columns, *rows = out.splitlines()
     assert "2 x h200: " in header and "per node" not in header, header
@@ -214,7 +214,7 @@ def test_a_small_job_shows_its_memory_and_no_nodes(capsys):
 def test_the_table_adds_up_names_ties_once_and_launches_every_node(capsys):
     # issue 36, point 6: GiB = state + bf16 + acts; --zero 1 and 2 rows that predict the same are one row;
     # a multi-node command carries its rendezvous
-    plan.main(["--model", "llama-8B", "--seq-len", "8192", "--global-batch", "64", "--gpus", "16", "--top", "8"])
+    cli.main(["--model", "llama-8B", "--seq-len", "8192", "--global-batch", "64", "--gpus", "16", "--top", "8"])
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.split() and line.split()[0].isdigit()]
     assert len(rows) == 8
@@ -232,12 +232,12 @@ def test_the_table_adds_up_names_ties_once_and_launches_every_node(capsys):
 def test_a_gpu_count_that_is_not_whole_nodes_is_refused_in_one_line_and_nodes_times_processes_is_the_world(capsys):
     args = ["--model", "llama-1B", "--seq-len", "2048", "--global-batch", "48", "--gpu", "h100", "--top", "5"]
     with pytest.raises(SystemExit) as e:
-        plan.main(args + ["--gpus", "12"])
+        cli.main(args + ["--gpus", "12"])
     assert str(e.value) == ("error: --gpus 12 is not a whole number of 8-GPU nodes: give a multiple of 8, "
                             "or --gpus-per-node 6 (2 nodes of 6)")
     assert capsys.readouterr().out == ""      # refused before any planning
     for gpus, per_node, nodes in ((12, 6, 2), (6, 8, 1), (24, 8, 3)):
-        plan.main(args + ["--gpus", str(gpus), "--gpus-per-node", str(per_node)])
+        cli.main(args + ["--gpus", str(gpus), "--gpus-per-node", str(per_node)])
         out = capsys.readouterr().out
         launches = re.findall(r"meshtron-run (?:--nnodes (\d+) )?--nproc-per-node (\d+)", out)
         assert launches and all(int(n or 1) * int(p) == gpus and int(n or 1) == nodes for n, p in launches), out
@@ -246,10 +246,10 @@ def test_a_gpu_count_that_is_not_whole_nodes_is_refused_in_one_line_and_nodes_ti
 
 def test_the_planners_help_explains_every_flag_the_columns_and_calibrate(capsys):
     with pytest.raises(SystemExit):
-        plan.main(["--help"])
+        cli.main(["--help"])
     out = capsys.readouterr().out
     assert "calibrate" in out and "state" in out and "acts" in out
-    assert all(action.help for action in plan.parser()._actions)
+    assert all(action.help for action in cli.parser()._actions)
 
 
 # and llama-8B at dp8 x tp8 on 64 ranks: docs/planner.md's command, checked by the docs test (dry_run_64)

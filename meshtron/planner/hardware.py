@@ -133,3 +133,10 @@ def hardware(name: str) -> Hardware:
     if not os.path.isfile(name):
         raise ValueError(f"--gpu {name!r}: neither h200, h100 nor a calibration file")
     return _read(name)
+
+
+def calibration_line(gpu: str) -> str:
+    """Which calibration a prediction used, in one line."""
+    hw = hardware(gpu)
+    fitted = hw.fit_source or "multi-GPU terms not fitted (one GPU's calibration alone: optimistic on several GPUs)"
+    return f"{os.path.relpath(calibration_path(gpu))}: {hw.name}; {fitted}"

@@ -62,7 +62,7 @@ def choose(config: Config, world: int, gpus_per_node: int, gpu: str):
 
 
 def choice_line(pred, world: int, gpu: str) -> str:
-    from meshtron.planner.plan import calibration_line
+    from meshtron.planner.hardware import calibration_line
     return (f"layout auto: {pred.flags()} on {world} ranks: predicted {pred.step_s * 1e3:.1f} ms a step, "
             f"{pred.memory / GiB:.1f} GiB on the fullest rank (calibration {calibration_line(gpu)})")
 
