@@ -314,8 +314,6 @@ PROGRAMS = {  # how a command line names a program -> how to ask it for its help
     "recipes/own_model.py": "recipes/own_model.py",
     "meshtron.plan calibrate": ("meshtron.plan", "calibrate"),
     "meshtron.plan": ("meshtron.plan",),
-    "meshtron.planner.plan calibrate": ("meshtron.planner.plan", "calibrate"),
-    "meshtron.planner.plan": ("meshtron.planner.plan",),
     "meshtron.data.prepare": ("meshtron.data.prepare",),
     "meshtron.data.train_tokenizer": ("meshtron.data.train_tokenizer",),
     "meshtron.plot": ("meshtron.plot",),
