@@ -54,6 +54,13 @@ LAYOUTS = {  # name: (GPUs, recipe flags); bf16 compute, fp32 master weights and
     "1gpu_fsdp": (1, ["--mixed-precision", "fsdp"]),   # bf16 through FSDP2 on a one-rank mesh (before)
     "fsdp4": (4, ["--dp", "4", "--zero", "1"]),
     "fsdp4_zero3": (4, ["--dp", "4", "--zero", "3"]),
+    "fsdp4_zero3_pf2": (4, ["--dp", "4", "--zero", "3", "--fsdp-prefetch", "2"]),   # all-gathers 2 blocks ahead
+    "fsdp4_zero3_keep1": (4, ["--dp", "4", "--zero", "3", "--fsdp-keep-last", "1"]),   # last block not resharded
+    "fsdp4_zero3_fp8": (4, ["--dp", "4", "--zero", "3", "--fp8", "tensorwise"]),   # fp8 all-gather (tensorwise)
+    "fsdp4_zero3_bf16rs": (4, ["--dp", "4", "--zero", "3", "--reduce-dtype", "bf16"]),   # not the default: fp32
+    "fsdp4_zero3_fused": (4, ["--dp", "4", "--zero", "3", "--fused-loss"]),
+    "fsdp4_zero2": (4, ["--dp", "4", "--zero", "2"]),   # weights kept gathered from forward to backward
+    "fsdp4_zero2_fp8": (4, ["--dp", "4", "--zero", "2", "--fp8", "tensorwise"]),
     "tp2dp2": (4, ["--dp", "2", "--tp", "2", "--sp", "--zero", "1"]),
     "tp2dp2_zero3": (4, ["--dp", "2", "--tp", "2", "--sp", "--zero", "3"]),
     "tp4": (4, ["--tp", "4", "--sp"]),
@@ -160,9 +167,30 @@ def _dtensor_tp():
     return [(llama, "tp_plan", lambda model, sp, lp, moe=False, local=False: plan(model, sp, lp, moe, False))]
 
 
+def _head_units():
+    """torchtitan's FSDP units for the Llama: the embedding (resharded under zero 3) and
+    [final norm, output head] (kept gathered) apart from the root, whose reduce-scatter
+    then waits for the whole backward with no parameters of its own left."""
+    from torch.distributed.fsdp import fully_shard
+
+    from meshtron.distributed.data_parallel import mp_policy
+    from meshtron.distributed.parallelize import dp_mesh_of
+    from meshtron.models.llama import parallelize as llama
+    apply_dp = llama.apply_dp
+
+    def split(model, mesh, par, blocks, experts=(), dp_mesh=None):
+        dp_mesh = dp_mesh if dp_mesh is not None else dp_mesh_of(mesh, par)
+        policy = mp_policy(par.dtype, par.reduce_dtype)
+        fully_shard(model.tok_embeddings, mesh=dp_mesh, reshard_after_forward=par.zero == 3, mp_policy=policy)
+        fully_shard([model.norm, model.output], mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
+        apply_dp(model, mesh, par, blocks, experts=experts, dp_mesh=dp_mesh)
+    return [(llama, "apply_dp", split)]
+
+
 # per-layout options, `layout+option+...`: (module, name, value) patches for the build, undone after
 OPTIONS = {
     "whole": _compile_whole,
+    "heads": _head_units,        # embedding and head FSDP units of their own (torchtitan's)
     "expandable": _expandable,   # the allocator's expandable segments from this layout's build on
     "dtensor": _dtensor_tp,      # TP blocks on DTensors, the path local tensors replaced
     "cudnn": lambda: [], "flash": lambda: [],   # the SDPA backend tried first around each step
@@ -468,7 +496,7 @@ def profile(step, n: int, device, path: str) -> dict:
     exposed = comm_total - _length(_intersect(_union(comm), _union(compute)))
     gaps = _gaps(_union(comm + compute), kernels, n)
     with open(path, "w") as f:
-        f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
+        f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=110))
         # host time: a step bound by its CPU, or by the CPU waiting for the GPU (synchronizations), shows here
         f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
         f.write("\nGPU idle gaps over 0.5 ms, per step: " + gaps)

@@ -152,6 +152,10 @@ SUITES = {
               tt("torchtitan llama-8B fsdp4", 4, "llama8b_fsdp4_compile", **tt_batch(2)),
               mt("llama-8B dp4 ZeRO-3", 4, "fsdp4_zero3_compile",
                  ["--model", "llama-8B", "--seq-len", "2048", "--micro-batch", "2", "--global-batch", "8"],
+                 "torchtitan llama-8B fsdp4"),
+              # weights kept gathered from forward to backward (one all-gather a step): 12.5 GiB more a rank
+              mt("llama-8B dp4 ZeRO-2", 4, "fsdp4_zero2_compile",
+                 ["--model", "llama-8B", "--seq-len", "2048", "--micro-batch", "2", "--global-batch", "8"],
                  "torchtitan llama-8B fsdp4")],
     # the planner's first choice for llama-1B at global batch 64 on four GPUs against the fastest layout measured
     # before it (docs/planner.md)

@@ -119,6 +119,14 @@ class ParallelConfig:
     """ZeRO stage over the data-parallel axes (0 = DDP)"""
     hsdp: int = 1
     """HSDP replica groups (1 = plain FSDP)"""
+    fsdp_prefetch: int = 1
+    ("FSDP: blocks whose all-gathers are issued ahead of use, in forward and in backward (1: FSDP2's own); "
+     "measured no faster: 2 on llama-8B dp4 ZeRO-3 on four H100s, 472.3 against 471.8 ms a step "
+     "(benchmarks/RESULTS.md)")
+    fsdp_keep_last: int = 0
+    ("--zero 3: the last N blocks keep their gathered weights from forward to backward (no second all-gather); "
+     "measured no faster: 1 on llama-8B dp4 on four H100s, 469.9 against 471.8 ms; every block (= --zero 2) "
+     "444.0 against 468.6 ms for 12.5 GiB more a rank (benchmarks/RESULTS.md)")
     pp_schedule: str = field(default="1f1b", metadata={"choices": SCHEDULES})
     """pipeline schedule"""
     pp_virtual: int = 1
@@ -284,13 +292,15 @@ class Config:
         for name, value in (("--steps", t.steps), ("--micro-batch", t.micro_batch), ("--seq-len", t.seq_len),
                             ("--log-interval", t.log_interval), ("--checkpoint-interval", c.checkpoint_interval),
                             ("--keep-checkpoints", c.keep_checkpoints), ("--pp-virtual", p.pp_virtual),
-                            ("--hsdp", p.hsdp), ("--eval-interval", self.data.eval_interval),
-                            ("--eval-steps", self.data.eval_steps)):
+                            ("--hsdp", p.hsdp), ("--fsdp-prefetch", p.fsdp_prefetch),
+                            ("--eval-interval", self.data.eval_interval), ("--eval-steps", self.data.eval_steps)):
             if value < 1:
                 raise ConfigError(f"{name} must be at least 1, not {value}")
         for name, value in (("--global-batch", t.global_batch), ("--microbatches", p.microbatches)):
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be at least 1, not {value}")
+        if p.fsdp_keep_last < 0:
+            raise ConfigError(f"--fsdp-keep-last must be >= 0, not {p.fsdp_keep_last}")
         if t.warmup < 0 or t.max_norm < 0 or t.lr <= 0:
             raise ConfigError(f"--warmup and --max-norm must be >= 0 and --lr > 0 (got {t.warmup}, {t.max_norm}, "
                               f"{t.lr})")

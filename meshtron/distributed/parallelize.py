@@ -54,6 +54,8 @@ class LayoutOptions(Protocol):
     fp8: str                # "none", "tensorwise", "rowwise"
     async_tp: bool          # async TP's compile pass
     mixed_precision: str    # one process's bf16: "autocast" or "fsdp"
+    fsdp_prefetch: int      # blocks all-gathered ahead (1: FSDP2's own)
+    fsdp_keep_last: int     # zero 3: last blocks kept gathered from forward to backward
 
 
 def apply_compile(blocks: list[nn.Module], options: dict | None = None) -> None:
@@ -116,7 +118,8 @@ def apply_dp(model: nn.Module, mesh: DeviceMesh, config: LayoutOptions, blocks: 
         return
     zero = _zero(mesh, config)
     if zero is not None:
-        apply_fsdp(model, mesh, blocks, zero, config.hsdp, config.dtype, config.reduce_dtype, experts, dp_mesh)
+        apply_fsdp(model, mesh, blocks, zero, config.hsdp, config.dtype, config.reduce_dtype, experts, dp_mesh,
+                   prefetch=config.fsdp_prefetch, keep_last=config.fsdp_keep_last)
 
 
 def find_blocks(model: nn.Module, blocks=None) -> tuple[str, list[nn.Module]]:
