@@ -10,9 +10,14 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 if not os.path.exists("/dev/nvidia0"):   # a GPU machine runs the real kernels
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import compileall  # noqa: E402
 import sys  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # harness.py, parity.py for tests in subfolders
+# meshtron's bytecode, once: the suite starts hundreds of processes, and where
+# PYTHONDONTWRITEBYTECODE is set (as on the machines here) each would compile every module again
+compileall.compile_dir(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "meshtron"),
+                       quiet=1)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
