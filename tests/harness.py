@@ -246,6 +246,9 @@ def run_script(argv: list[str], env: dict | None = None, cwd: str | None = None,
             if env is not None:
                 os.environ.clear()
                 os.environ.update(env)
+            # a tokenizer this process ran threads in warns in a fork that uses it again; the
+            # fork's own use is single-threaded either way
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
             if cwd is not None:
                 os.chdir(cwd)
             sys.argv = list(argv[1:]) if argv[0] == "-m" else list(argv)
