@@ -35,7 +35,8 @@ beside it); the host's time per micro-batch and per collective call (a small mic
 out of step wait inside collectives); the pipeline's bubble, scaled to the measured; FP8's faster GEMMs, its
 casts and its fp8 all-gathers. Not included: MoE routing, permutations and grouped GEMMs (MoE steps measured
 1.4-1.7x the prediction); async TP's overlap; the interleaved and zero-bubble schedules' measured stalls at
-pp4; the inter-node link (nominal). Error on the measured H100 layouts: docs/planner.md."""
+pp4; --fsdp-prefetch and --fsdp-keep-last (planned as FSDP2's defaults); the inter-node link (nominal).
+Error on the measured H100 layouts: docs/planner.md."""
 
 
 def _collapse_ties(fit: list[Prediction]) -> list[tuple[Prediction, list[int]]]:
