@@ -207,7 +207,7 @@ INVARIANT = ["--model", "llama-moe-tiny", "--seq-len", "32", "--steps", "6", "--
 
 def test_moe_losses_do_not_depend_on_the_layout_or_the_micro_batches(pools, tmp_path):
     # one process, dp2, ep2, dp2 x ep2 and ep2 x tp2 + SP, each cutting its share of the 8
-    # sequences into one and into two micro-batches: the same loss, aux loss and expert load
+    # sequences into one and into two micro-batches: the same loss, aux loss and router load
     # every step as one process in one micro-batch, batch balancing on (routing decides per
     # sequence, its weights continuous where balancing flips a choice; f of the aux loss is
     # the last step's, over all of it)
@@ -227,18 +227,17 @@ def test_moe_losses_do_not_depend_on_the_layout_or_the_micro_batches(pools, tmp_
     for name, got in rows.items():
         assert set(got) == set(ref), name
         for step, row in got.items():
-            for key in ("loss", "aux_loss"):
+            # not the load as run: a token within rounding of a balancing tie takes either expert,
+            # at weight ~0, so the counts may differ by a few copies where the losses do not
+            for key in ("loss", "aux_loss", "router_load_max_over_mean"):
                 assert abs(row[key] - ref[step][key]) <= 1e-5 * abs(ref[step][key]), (name, step, key, row, ref[step])
-            # a token within rounding of a balancing tie may take either expert (at weight ~0): the
-            # busiest expert's count within one copy of its mean 64 (8 x 32 tokens x top-2 / 8)
-            load = row["expert_load_max_over_mean"] - ref[step]["expert_load_max_over_mean"]
-            assert abs(load) <= 1 / 64 + 1e-6, (name, step, row, ref[step])
 
 
 def test_capacity_shows_its_dropped_fraction(pools, tmp_path):
     f = tmp_path / "m.jsonl"
+    # without batch balancing, which evens each sequence under the capacity and drops nothing
     pools.run(2, train, ["--model", "gpt-moe-tiny", "--seq-len", "32", "--steps", "2", "--micro-batch", "2",
-                         "--ep", "2", "--moe-capacity", "1.0", "--metrics-file", str(f)])
+                         "--ep", "2", "--moe-capacity", "1.0", "--moe-batch-balance", "0", "--metrics-file", str(f)])
     rows = [json.loads(line) for line in f.read_text().splitlines() if "loss" in line]
     assert all(0 < r["dropped_fraction"] < 0.5 for r in rows), rows
 

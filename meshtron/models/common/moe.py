@@ -7,7 +7,8 @@ parallelism swaps in one that moves tokens by all-to-all, from outside).
              logits + the aux-loss-free expert bias (which only selects:
              DeepSeek-V3's, on the logits) pick the experts; their scores,
              renormalized to sum 1 (route_norm,
-             Qwen3's; always for sigmoid), weigh the experts' outputs, summed in
+             Qwen3's; always for sigmoid; under batch balancing by the router's
+             own top-k's sum), weigh the experts' outputs, summed in
              fp32. `batch_balance` (training only) then evens the top-k over each
              sequence; `balanced` (benchmarks only) assigns experts round-robin
     experts  SwiGLU w2(silu(x w1_gate) * x w1_up) or GeLU (x w1 + b1) -> w2 + b2,
@@ -150,11 +151,11 @@ def sequence_balance(select: torch.Tensor, k: int, rounds: int, parts: StepSum) 
     (B T_local, k) that even each whole sequence (batch_bias over its tokens, of
     which the ranks of `parts` hold the others), and each one's fade in [0, 1].
     A function of each sequence alone, so of no layout or micro-batch cut; and a
-    continuous one, so that the layouts' fp32 rounding of the weights cannot move
-    the losses by more than it moves the logits: the top-k of logits + a per-sequence
-    bias is a discrete choice, and balancing sends tokens to within rounding of its
-    ties (a sequence routes much alike, and the bias splits it), where the chosen set
-    flips. The fade, the chosen expert's lead over the first unchosen one over FADE
+    continuous one, so that the layouts' fp32 rounding of the weights moves the
+    losses by no more than its change of the logits over FADE: the top-k of logits
+    + a per-sequence bias is a discrete choice, and balancing sends tokens to within
+    rounding of its ties (a sequence routes much alike, and the bias splits it),
+    where the chosen set flips. The fade, the chosen expert's lead over the first unchosen one over FADE
     capped at 1, takes an expert's weight to 0 before it leaves the set, the next one
     comes in at 0, and the weights' normalization (the router's own top-k's) does
     not jump. TIE_SPREAD parts tokens the router sees alike, whom no bias could split."""
