@@ -14,7 +14,7 @@ most tokens makes one large GEMM and idles the rest). Its input is random, which
 the router spreads evenly-ish; --balanced-routing gives every expert exactly
 k N / E copies, for speed comparisons at load max/mean 1.
 
---batch-balance times batch_bias (the per-micro-batch balancing, 4 rounds) alone,
+--batch-balance times batch_bias (the rounds of batch balancing, 4 of them) alone,
 eager and compiled, and one MoE layer's forward+backward with it against the
 same layer without it (its peer): what the evened loads cost in time.
 

@@ -76,7 +76,7 @@ class ModelConfig:
     moe_capacity: float | None = None
     """mixture of experts: capacity factor (0: dropless; default: the preset's)"""
     moe_batch_balance: int | None = None
-    """mixture of experts: rounds evening each micro-batch's top-k in training (0: off; default: the preset's)"""
+    """mixture of experts: rounds evening each sequence's top-k in training (0: off; default: the preset's)"""
     moe_balanced_routing: bool = False
     """mixture of experts, speed measurements only: experts assigned round-robin (equal loads), not by the router"""
 

@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 from torch.nn.utils.stateless import _reparametrize_module
 
+from meshtron.distributed.context_parallel import local_positions
 from meshtron.distributed.counts import counts, host_counts
 from meshtron.distributed.mesh import degree, submesh
 
@@ -72,6 +73,13 @@ class TokenSum(nn.Module):
         parts = [torch.empty_like(t) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(parts, t.contiguous(), group=self.group)
         return torch.cat(parts), dist.get_rank(self.group) * t.shape[0]
+
+
+class SequenceParts(TokenSum):
+    """TokenSum over the cp ranks, which hold chunks r and 2cp-1-r of each sequence."""
+
+    def positions(self, n: int, device=None) -> torch.Tensor:
+        return local_positions(n * self.size, self.size, dist.get_rank(self.group), device)
 
 
 class _GradScale(torch.autograd.Function):
@@ -190,7 +198,7 @@ def apply_moe(moe_blocks: list[nn.Module], mesh: DeviceMesh, dispatch: str = "ex
         if group is not None:
             moe.step_sum = TokenSum(group)
         if degree(mesh, "cp") > 1:
-            moe.seq_parts = TokenSum(mesh["cp"].get_group())
+            moe.seq_parts = SequenceParts(mesh["cp"].get_group())
 
 
 def tp_style(sp: bool) -> PrepareModuleInputOutput:

@@ -239,8 +239,8 @@ def _moe_blocks(t: _Tally, s: _Step, blocks: int) -> None:
     moe, m, refwd, tokens = s.cfg.moe, s.m * blocks, s.refwd, s.tokens
     E, k = moe.n_experts, moe.top_k
     seq = "cp" if s.d["cp"] > 1 else ""
-    if moe.batch_balance > 0 and not moe.balanced:   # the micro-batch's selection logits, fp32, from every rank
-        t.add("all_gather", s.loss_label, tokens * E * 4, m * (1 + refwd))
+    if moe.batch_balance > 0 and not moe.balanced:   # each sequence's selection logits, fp32, from its cp ranks
+        t.add("all_gather", seq, tokens * E * 4, m * (1 + refwd), part="cp")
     if moe.capacity > 0:
         t.add("all_gather", seq, tokens * k * s.a, m * (1 + refwd), part="cp")
         t.add("all_gather", seq, tokens * k * 8, m * (1 + refwd), part="cp")

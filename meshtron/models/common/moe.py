@@ -7,9 +7,10 @@ parallelism swaps in one that moves tokens by all-to-all, from outside).
              logits + the aux-loss-free expert bias (which only selects:
              DeepSeek-V3's, on the logits) pick the experts; their scores,
              renormalized to sum 1 (route_norm,
-             Qwen3's; always for sigmoid), weigh the experts' outputs, summed in
-             fp32. `batch_balance` (training only) then evens the top-k over the
-             micro-batch (every rank's tokens of it); `balanced` (benchmarks only) assigns experts round-robin
+             Qwen3's; always for sigmoid; under batch balancing by the router's
+             own top-k's sum), weigh the experts' outputs, summed in
+             fp32. `batch_balance` (training only) then evens the top-k over each
+             sequence; `balanced` (benchmarks only) assigns experts round-robin
     experts  SwiGLU w2(silu(x w1_gate) * x w1_up) or GeLU (x w1 + b1) -> w2 + b2,
              one grouped GEMM per projection over the tokens sorted by expert
     balance  the auxiliary loss a E sum_i f_i P_i (Switch / Megatron: f_i the
@@ -21,21 +22,19 @@ parallelism swaps in one that moves tokens by all-to-all, from outside).
              expert bias, moved after each step towards equal token counts of
              the router's own choice in proportion to each expert's distance
              from the mean load; and, with batch_balance = r rounds, a second
-             bias for this micro-batch alone (batch_bias, over every rank's
-             tokens of it) that gives every expert about the mean number of its
-             copies: these two train the router to
+             bias for each sequence alone (batch_bias) that gives every expert
+             about the mean number of its copies, the weights faded to 0 where
+             that choice flips (sequence_balance): these two train the router to
              balance over the data, this one evens each step, whose few
              documents route much alike
     capacity dropless by default; with a capacity factor c each expert takes
              at most ceil(c k T / E) of the T tokens of each sequence and drops
              the rest, lowest score first, ties by token order
 
-Without batch balancing every routing decision and statistic is a function of
-one sequence, or of the whole previous step: the same sequences give the same
-losses however the step is cut into micro-batches, ranks, experts or
-tensor-parallel shards (a sequence split by context parallelism is gathered for
-its capacity). Batch balancing evens each micro-batch over every rank's tokens of
-it: the same under any layout that cuts the step into the same micro-batches.
+Every routing decision and statistic is a function of one sequence, or of the
+whole previous step: the same sequences give the same losses however the step is
+cut into micro-batches, ranks, experts or tensor-parallel shards (a sequence split
+by context parallelism is gathered for its balancing and capacity).
 
 Statistics of the step (token counts per expert, the aux loss, tokens dropped)
 are buffers of this rank's tokens; `end_step` sums them over the ranks after the
@@ -73,6 +72,11 @@ class StepSum(nn.Module):
         """(every rank's t concatenated in token order, where this rank's rows start)."""
         return t, 0
 
+    def positions(self, n: int, device=None) -> torch.Tensor:
+        """Where this rank's n tokens of each sequence sit in it (context parallelism's
+        split is not in rank order)."""
+        return torch.arange(n, device=device)
+
 
 def gather_seq(parts: StepSum, t: torch.Tensor) -> tuple[torch.Tensor, int]:
     """t (B, T_local, ...) -> (B, T, ...) with the tokens of the same sequences that the
@@ -105,10 +109,12 @@ class Router(nn.Module):
         self.gate = nn.Linear(dim, cfg.n_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
 
-    def forward(self, x: torch.Tensor, step_sum: StepSum | None = None):
-        """x (N, dim) -> weights (N, k) fp32, experts (N, k), scores (N, E) fp32, and
-        the router's own top-k (N, k): the experts unless `step_sum` is given (and
-        batch_balance > 0), whose gathered tokens the choice is then evened over."""
+    def forward(self, x: torch.Tensor, seq_parts: StepSum | None = None, seqs: int = 1):
+        """x (N, dim), the tokens of `seqs` sequences -> weights (N, k) fp32, experts
+        (N, k), scores (N, E) fp32, and the router's own top-k (N, k): the experts
+        unless `seq_parts` is given (training, batch_balance > 0): each sequence's
+        choice is then evened over its tokens, of which the ranks of seq_parts hold
+        the others (context parallel)."""
         with torch.autocast(x.device.type, enabled=False):   # fp32 under autocast too
             logits = F.linear(x.float(), self.gate.weight.float())
         scores = logits.softmax(-1) if self.cfg.score == "softmax" else logits.sigmoid()
@@ -121,16 +127,45 @@ class Router(nn.Module):
             # router sharpens, so a bias on them moves fewer tokens the longer a run trains
             select = logits.detach() + self.expert_bias
             experts = own = select.topk(k, dim=-1).indices
-            if step_sum is not None and self.cfg.batch_balance > 0:
-                # every rank gathers the same logits and finds the same bias: any layout routes alike
-                # (per micro-batch: balanced per sequence, the cut to a near-tie that fp32 rounding
-                # of the weights then flips was measured to move the losses more, docs/parallelism.md)
-                everyone, _ = step_sum.gather(select)
-                experts = (select + batch_bias(everyone, k, self.cfg.batch_balance)).topk(k, dim=-1).indices
         weights = scores.gather(-1, experts)
+        if seq_parts is not None and self.cfg.batch_balance > 0 and not self.cfg.balanced:
+            experts, fade = sequence_balance(select.view(seqs, -1, select.shape[-1]), k, self.cfg.batch_balance,
+                                             seq_parts)
+            weights = scores.gather(-1, experts) * fade
         if self.cfg.route_norm or self.cfg.score == "sigmoid":
-            weights = weights / weights.sum(-1, keepdim=True)
+            # over the router's own top-k, not the balanced one: a sum over the chosen experts
+            # would jump where balancing swaps one of them
+            weights = weights / scores.gather(-1, own).sum(-1, keepdim=True)
         return weights, experts, scores, own
+
+
+# Batch balancing's two scales, in logits: far above the fp32 rounding by which the layouts'
+# logits differ, far below the differences the router learns
+TIE_SPREAD = 1e-4   # a fixed pattern over positions and experts that parts near-identical tokens
+FADE = 1e-3         # an expert's weight falls to 0 as its lead over the first unchosen one does
+
+
+@torch.no_grad()
+def sequence_balance(select: torch.Tensor, k: int, rounds: int, parts: StepSum) -> tuple[torch.Tensor, torch.Tensor]:
+    """select (B, T_local, E), the selection logits of B sequences -> the experts
+    (B T_local, k) that even each whole sequence (batch_bias over its tokens, of
+    which the ranks of `parts` hold the others), and each one's fade in [0, 1].
+    A function of each sequence alone, so of no layout or micro-batch cut; and a
+    continuous one, so that the layouts' fp32 rounding of the weights moves the
+    losses by no more than its change of the logits over FADE: the top-k of logits
+    + a per-sequence bias is a discrete choice, and balancing sends tokens to within
+    rounding of its ties (a sequence routes much alike, and the bias splits it),
+    where the chosen set flips. The fade, the chosen expert's lead over the first unchosen one over FADE
+    capped at 1, takes an expert's weight to 0 before it leaves the set, the next one
+    comes in at 0, and the weights' normalization (the router's own top-k's) does
+    not jump. TIE_SPREAD parts tokens the router sees alike, whom no bias could split."""
+    E = select.shape[-1]
+    i = parts.positions(select.shape[1], select.device)[:, None] * E + torch.arange(E, device=select.device)
+    select = select + ((i * 40503 % 65536).to(select.dtype) / 65536 - 0.5) * TIE_SPREAD   # a multiplicative hash
+    whole, _ = gather_seq(parts, select)    # in any order: batch_bias reads order statistics only
+    s = select + batch_bias(whole, k, rounds).unsqueeze(1)
+    top = s.flatten(0, 1).topk(k + 1, dim=-1)
+    return top.indices[:, :k], ((top.values[:, :k] - top.values[:, k:]) / FADE).clamp(max=1.0)
 
 
 @torch.no_grad()
@@ -143,8 +178,9 @@ def batch_bias(select: torch.Tensor, k: int, rounds: int) -> torch.Tensor:
     expert's logit, or the k-th one's). Experts move at once, and tokens rank
     them much alike, so after the first round (from a collapsed router a long way,
     taken whole) full moves overshoot and oscillate; 70% of one settles
-    (benchmarks/RESULTS.md has the rounds measured). The halfway points keep a
-    layout's rounding of the logits from flipping a token at a cut."""
+    (benchmarks/RESULTS.md has the rounds measured). Every step is a continuous
+    function of select (order statistics, and margins that meet at 0 where a token's
+    choice changes), so the bias is too."""
     n, n_experts = select.shape[-2:]
     bias = select.new_zeros(*select.shape[:-2], n_experts)
     if k >= n_experts or n < 2:
@@ -279,7 +315,7 @@ class MoE(nn.Module):
         B, T, dim = h.shape
         E = self.cfg.n_experts
         x = h.reshape(-1, dim)
-        weights, experts, scores, own = self.router(x, self.step_sum if self.training else None)
+        weights, experts, scores, own = self.router(x, self.seq_parts if self.training else None, B)
         capacity = self.cfg.capacity if self.training else 0.0   # evaluation and generation keep every token
         if capacity > 0:   # decided over each whole sequence: the same drops under any layout
             keep = self._capacity_keep(weights.detach().view(B, T, -1), experts.view(B, T, -1), capacity)

@@ -19,7 +19,7 @@ class MoEConfig:
     bias_update: float = 3e-3      # aux-loss-free expert bias rate, logits per unit of relative load (0: off)
     capacity: float = 0.0          # capacity factor (0: dropless)
     activation: str = "swiglu"     # swiglu (Llama) or gelu (GPT, with biases)
-    batch_balance: int = 0         # rounds of per-micro-batch balancing while training (0: off)
+    batch_balance: int = 0         # rounds of per-sequence balancing while training (0: off)
     balanced: bool = False         # benchmarks only: round-robin experts instead of the router's choice
 
 

@@ -64,9 +64,10 @@ PRESETS = {
     "1.3B": GPTConfig(n_layers=24, dim=2048, n_heads=16),
     "2.7B": GPTConfig(n_layers=32, dim=2560, n_heads=32),
     "6.7B": GPTConfig(n_layers=32, dim=4096, n_heads=32),
-    # CI-sized mixture of experts: 8 GeLU experts of width 64, top-2, in every layer
+    # CI-sized mixture of experts: 8 GeLU experts of width 64, top-2, in every layer (batch
+    # balancing's rounds as llama-moe-tiny's)
     "gpt-moe-tiny": GPTConfig(n_layers=4, dim=64, n_heads=4, vocab_size=320, max_seq_len=256,
-                              moe=MoEConfig(n_experts=8, top_k=2, hidden=64, activation="gelu", batch_balance=4)),
+                              moe=MoEConfig(n_experts=8, top_k=2, hidden=64, activation="gelu", batch_balance=16)),
 }
 
 

@@ -69,15 +69,16 @@ PRESETS = {
     # SwiGLU 5632, untied; 617M parameters; 512K positions, for sequences that need cp
     "llama-617M": LlamaConfig(n_layers=8, dim=2048, n_heads=16, n_kv_heads=16, ffn_dim=5632, vocab_size=50304,
                               tie_embeddings=False, max_seq_len=524288),
-    # CI-sized mixture of experts: 8 SwiGLU experts of width 64, top-2
+    # CI-sized mixture of experts: 8 SwiGLU experts of width 64, top-2; batch balancing evens
+    # each sequence, and its short sequences of a tiny vocabulary route alike: more rounds
     "llama-moe-tiny": LlamaConfig(n_layers=4, dim=64, n_heads=8, n_kv_heads=4, ffn_dim=160, vocab_size=320,
                                   max_seq_len=256, rope_theta=10000.0,
-                                  moe=MoEConfig(n_experts=8, top_k=2, hidden=64, batch_balance=4)),
+                                  moe=MoEConfig(n_experts=8, top_k=2, hidden=64, batch_balance=16)),
     # GPU-sized (the Qwen3-style shape of the torchtitan kit): 12 x 2048, 16 experts of 2048, top-2;
     # 2.77B parameters, 0.66B of them active
     "llama-moe-3B": LlamaConfig(n_layers=12, dim=2048, n_heads=16, n_kv_heads=8, ffn_dim=2048, vocab_size=50304,
                                 rope_theta=1e6, tie_embeddings=False,
-                                moe=MoEConfig(n_experts=16, top_k=2, hidden=2048, batch_balance=4)),
+                                moe=MoEConfig(n_experts=16, top_k=2, hidden=2048, batch_balance=8)),
 }
 
 
