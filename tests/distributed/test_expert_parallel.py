@@ -1,5 +1,5 @@
 """Mixture of experts and expert parallelism (issue 15) on gloo: every layout
-against one process over 10 steps in fp32 (loss, aux loss, gathered gradients
+against one process over 5 steps in fp32 (loss, aux loss, gathered gradients
 of experts, router and dense weights, the clipped norm, updated weights, the
 expert bias), the Llama's routing balanced per sequence; capacity drops alike
 at every ep degree; the collectives of one MoE layer; the recipe's losses under
@@ -37,7 +37,7 @@ LLAMA_CFG = LlamaConfig(n_layers=2, dim=64, n_heads=8, n_kv_heads=4, ffn_dim=96,
 MODELS = {"gpt": (GPT, GPT_SPEC, GPT_CFG), "llama": (Llama, LLAMA_SPEC, LLAMA_CFG)}
 
 
-def _parity(rank, world, model, degrees, pcfg_kwargs=None, moe=None, steps=10, banned=()):
+def _parity(rank, world, model, degrees, pcfg_kwargs=None, moe=None, steps=5, banned=()):
     """`banned`: experts no token may choose (their selection bias -inf)."""
     cls, spec, cfg = MODELS[model]
     if moe is not None:
