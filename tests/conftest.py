@@ -4,9 +4,6 @@ import os
 # a parent that ran a multithreaded op before forking deadlocks its children),
 # and the Triton interpreter on machines without a GPU.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# inductor compiles in a pool of min(32, cores) fresh processes, each importing torch: for
-# graphs this small, more than they save (docs/testing.md)
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 if not os.path.exists("/dev/nvidia0"):   # a GPU machine runs the real kernels
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
