@@ -217,7 +217,7 @@ def train(rank, world, argv, exit_after=None):
 
 # ---- a script's run, forked ------------------------------------------------
 
-_DEFAULT_WARNINGS = list(__import__("warnings").filters)   # as the interpreter set them, before any test
+_DEFAULT_WARNINGS = list(warnings.filters)   # as the interpreter set them, before any test
 
 
 def run_script(argv: list[str], env: dict | None = None, cwd: str | None = None,

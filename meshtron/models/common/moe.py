@@ -127,7 +127,7 @@ class Router(nn.Module):
             # router sharpens, so a bias on them moves fewer tokens the longer a run trains
             select = logits.detach() + self.expert_bias
             experts = own = select.topk(k, dim=-1).indices
-        weights = scores.gather(-1, experts)
+        weights = own_weights = scores.gather(-1, own)
         if seq_parts is not None and self.cfg.batch_balance > 0 and not self.cfg.balanced:
             experts, fade = sequence_balance(select.view(seqs, -1, select.shape[-1]), k, self.cfg.batch_balance,
                                              seq_parts)
@@ -135,7 +135,7 @@ class Router(nn.Module):
         if self.cfg.route_norm or self.cfg.score == "sigmoid":
             # over the router's own top-k, not the balanced one: a sum over the chosen experts
             # would jump where balancing swaps one of them
-            weights = weights / scores.gather(-1, own).sum(-1, keepdim=True)
+            weights = weights / own_weights.sum(-1, keepdim=True)
         return weights, experts, scores, own
 
 
