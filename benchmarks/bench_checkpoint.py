@@ -74,8 +74,10 @@ def measure(mode: str, recipe_flags: list[str], args) -> dict:
              "--keep-checkpoints", "1"] + (["--checkpoint-async"] if mode == "async" else [])
     trainer = Trainer(Config.from_args(recipe_flags + flags, models=models.PRESETS), verbose=False)
     device = trainer.device
-    for _ in range(args.warmup):
+    for i in range(args.warmup):
         trainer.step(*trainer.next_batch())
+        if i == 0:   # as Trainer.train: the async host copy made beside the steps after the first
+            trainer.prepare_saves()
     sync(device)
     step_s, in_flight, holds, writes = [], [], [], []
     started = None   # when the save being written in the background was called

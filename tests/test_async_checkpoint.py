@@ -108,7 +108,7 @@ def _in_the_writer(rank, world, argv):
     """Train with async saves while dcp.save refuses to run in this process. Returns
     (this pid, the writer's pid and name, whether every tensor of the host copy is in
     shared memory, the shapes of tensors a save sent by value, whether the writer is
-    gone after the run, the losses)."""
+    gone after the run, the losses, the threads that made a host copy)."""
     import meshtron.train.async_checkpoint as ac
     from meshtron import Config, Trainer, models
     from meshtron.train import host_copy
@@ -124,7 +124,13 @@ def _in_the_writer(rank, world, argv):
             by_value.append(tuple(obj.shape))
         return found
 
-    ac.dcp.save, ac._Pickler.persistent_id = refuse, watched
+    made, allocate = [], host_copy.allocate
+
+    def recorded(state, pin):
+        made.append(threading.current_thread().name)
+        return allocate(state, pin)
+
+    ac.dcp.save, ac._Pickler.persistent_id, host_copy.allocate = refuse, watched, recorded
     try:
         trainer = Trainer(Config.from_args(argv, models=models.PRESETS), verbose=False)
         pid = trainer.saver.writer_pid
@@ -134,19 +140,20 @@ def _in_the_writer(rank, world, argv):
         name = _name(pid)
         losses = trainer.train()      # and closes the saver, which stops the writer
     finally:
-        ac.dcp.save, ac._Pickler.persistent_id = real, index
+        ac.dcp.save, ac._Pickler.persistent_id, host_copy.allocate = real, index, allocate
     local = [t.to_local() if isinstance(t, DTensor) else t for t in host_copy.tensors(trainer.saver._host)]
     shared = all(t.is_shared() for t in local)
-    return os.getpid(), pid, name, shared, by_value, not _alive(pid), losses
+    return os.getpid(), pid, name, shared, by_value, not _alive(pid), losses, made
 
 
 def test_the_write_runs_in_a_writer_process_that_gets_the_copy_by_handle(pools, tmp_path):
     argv = COMMON + LAYOUTS["dp2-zero3"][1] + ["--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3", *ASYNC]
     straight = run(pools, "dp2-zero3")
-    for ours, writer, name, shared, by_value, gone, losses in pools.run(2, _in_the_writer, argv, timeout=300):
+    for ours, writer, name, shared, by_value, gone, losses, made in pools.run(2, _in_the_writer, argv, timeout=300):
         assert writer != ours and name == "meshtron-writer"
         assert shared and by_value == []    # the host copy went once, as handles; saves send indices into it
         assert gone and losses == straight
+        assert made == ["meshtron-host-copy"]   # made once, beside the steps, not by the first save
     assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == [
         "step-00000003", "step-00000006"]
     checkpoint.validate(str(tmp_path / "step-00000006"))
@@ -325,6 +332,26 @@ def test_a_script_without_the_main_guard_is_refused_in_one_line(tmp_path):
     assert out.returncode == 1 and out.stdout == "", out.stderr[-3000:]
     assert out.stderr.count("\n") == 1 and f"{script}:4 under `if __name__ == \"__main__\":`" in out.stderr, \
         out.stderr
+
+
+def _host_copy_of_meta_state(rank, world):
+    """host_copy.allocate of a state on the meta device, which has no bytes to read."""
+    from torch.distributed.tensor import Shard
+
+    from meshtron.train import host_copy
+    live = DTensor.from_local(torch.empty(4, 3, device="meta"), mesh(dp=2)["dp"], [Shard(0)], run_check=False)
+    host = host_copy.allocate({"w": live, "step": torch.tensor(3.0, device="meta"), "n": 5,
+                               "moments": [torch.empty(2, 0, device="meta")]}, pin=False)
+    w = host["w"]
+    return (type(w).__name__, w._spec == live._spec, w.to_local().device.type, w.to_local().is_shared(),
+            tuple(w.to_local().shape), host["step"].shape, host["step"].is_shared(), host["n"],
+            tuple(host["moments"][0].shape), host["moments"][0].is_shared())
+
+
+def test_the_host_copy_is_made_without_reading_the_state(pools):
+    # so that it can be made beside the steps; torch's helper copies each DTensor to the host first
+    for got in pools.run(2, _host_copy_of_meta_state):
+        assert got == ("DTensor", True, "cpu", True, (4, 3), torch.Size([]), True, 5, (2, 0), True), got
 
 
 def _short_of_shared_memory(rank, world):

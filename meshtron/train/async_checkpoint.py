@@ -5,9 +5,10 @@
    copy below is free to be overwritten);
 2. makes `.tmp-step-N` (checkpoint.begin_save: the same directory as a blocking save);
 3. copies the training state into host memory: one host copy of this rank's state,
-   allocated at the first save and reused, in shared memory (host_copy.py; pinned
-   where the state lives on a GPU, the copies queued on the current stream, so the
-   loop is not held for them);
+   made once and reused, in shared memory (host_copy.py; pinned where the state lives
+   on a GPU, the copies queued on the current stream, so the loop is not held for
+   them). The Trainer has it made beside the steps after the first one (`prepare`: a
+   thread; allocating and pinning tens of GB took 11-45 s when the first save did it);
 4. starts a thread that waits for those copies, hands the copy to this rank's writer
    process, which writes it with DCP, and waits for its answer; save returns: the
    loop goes on.
@@ -122,6 +123,8 @@ class BackgroundSaver:
         theirs.close()
         self.writer_pid = self._writer.pid
         self._host: dict | None = None        # the host copy, reused by every save
+        self._preparing: threading.Thread | None = None   # making the host copy (prepare)
+        self._prepare_error: BaseException | None = None
         self._indices: dict[int, int] | None = None   # id -> index of its tensors, once the writer holds them
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -143,6 +146,7 @@ class BackgroundSaver:
         saver's thread on every rank once every rank's shards are on disk, before rank 0
         renames them into place (a test's way to hold a write in flight)."""
         self.wait()
+        self._prepared()
         checkpoint._stored(record.get("config"))     # before any collective: a bad config fails alone
         state = checkpoint.saved_state(parts, optimizer, scheduler, loader, step, names)
         if self._host is None:
@@ -155,6 +159,38 @@ class BackgroundSaver:
                                         args=(staged, copied, root, step, keep, record, before_publish))
         self._thread.start()
         return final
+
+    def prepare(self, parts, optimizer, scheduler=None, loader=None, names: dict[int, str] | None = None) -> None:
+        """Make the host copy now, in a thread beside the steps, so that no save holds
+        the loop for it. Call once the state is whole (after the first optimizer step,
+        which creates AdamW's moments), at the same step on every rank (it checks
+        /dev/shm over every rank). A state whose structure differs at the save is copied
+        into buffers made then, as without it."""
+        if self._host is not None or self._preparing is not None:
+            return
+        state = checkpoint.saved_state(parts, optimizer, scheduler, loader, 0, names)
+        self._check_shared_memory(state)
+        cuda = [t.device for t in host_copy.tensors(state) if t.device.type == "cuda"]
+
+        def make():
+            try:
+                if cuda:   # this thread's CUDA calls go to the training device, not to device 0
+                    torch.cuda.set_device(cuda[0])
+                self._host = host_copy.allocate(state, pin=bool(cuda))
+            except BaseException as e:  # noqa: BLE001 - raised by the next save
+                self._prepare_error = e
+
+        self._preparing = threading.Thread(target=make, name="meshtron-host-copy", daemon=True)
+        self._preparing.start()
+
+    def _prepared(self) -> None:
+        """Wait for `prepare`'s thread, and raise what it raised."""
+        if self._preparing is not None:
+            self._preparing.join()
+        error, self._prepare_error = self._prepare_error, None
+        if error is not None:
+            raise checkpoint.CheckpointError(f"making the host copy for --checkpoint-async failed: "
+                                             f"{type(error).__name__}: {_first_line(error)}") from error
 
     def wait(self) -> str | None:
         """Block until the save in flight is on disk; returns its path (None when no
@@ -185,6 +221,8 @@ class BackgroundSaver:
                 self._join()
         finally:
             self._thread = None
+            if self._preparing is not None:   # not left pinning memory as the process ends
+                self._preparing.join()
             self._stop_writer()
 
     def _join(self) -> None:

@@ -310,6 +310,12 @@ class Trainer:
         self.log(f"saving checkpoint {path} in the background (the loop held {held:.2f} s)")
         return held
 
+    def prepare_saves(self) -> None:
+        """With --checkpoint-async, have the host copy that saves write from made beside
+        the next steps (BackgroundSaver.prepare); call on every rank once a step has run."""
+        if self.saver is not None:
+            self.saver.prepare(self.parts, self.optimizer, self.scheduler, self.loader, self._param_names())
+
     def _saved(self, path: str | None) -> None:
         if path is not None:
             self.log(f"saved checkpoint {path}")
@@ -342,6 +348,8 @@ class Trainer:
             meter.add(self.global_batch * tr.seq_len,
                       kept_pairs(inputs["documents"]) if inputs and "documents" in inputs else 1.0)
             losses.append(loss)   # a device tensor: reading it every step would sync the GPU
+            if step == self.start + 1:   # the state is whole after a step
+                self.prepare_saves()
             if step % tr.log_interval == 0 or step == tr.steps or step == self.start + 1:
                 self._report(step, float(losses[-1]), float(norm), meter.report(), time.perf_counter() - t_start)
             if step == self.start + 1:   # the first step compiles and warms up: the planner's check times the rest
