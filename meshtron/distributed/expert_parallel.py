@@ -16,7 +16,9 @@ copies its split sizes to the host, which waits for the GPU once per layer. The
 padded one (PaddedAllToAllDispatch, --moe-dispatch padded) sends every rank a
 block of every copy this rank has, T k rows, real ones first: equal splits, no
 host sync and static shapes, for ep x the all-to-all bytes, received rows and
-expert rows (torch._grouped_mm computes only the real ones).
+expert rows (torch._grouped_mm computes only the real ones). The overlapped one
+(expert_overlap.py, --moe-dispatch overlap) runs the exact dispatch in two chunks
+of tokens, each chunk's all-to-alls beside the other chunk's expert GEMMs.
 
 For the dense parameters ep is one more data-parallel axis (the batch is sharded
 over dp x ep; FSDP over dp x cp x ep). Expert weights are FSDP-sharded over expert_dp (dp x cp), and since each
@@ -50,6 +52,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from meshtron.distributed.context_parallel import local_positions
 from meshtron.distributed.counts import counts, host_counts
+from meshtron.distributed.expert_overlap import OverlappedAllToAllDispatch
 from meshtron.distributed.mesh import degree, submesh
 
 
@@ -173,7 +176,7 @@ class PaddedAllToAllDispatch(AllToAllDispatch):
         return out.to(x.dtype)
 
 
-DISPATCHES = {"exact": AllToAllDispatch, "padded": PaddedAllToAllDispatch}
+DISPATCHES = {"exact": AllToAllDispatch, "padded": PaddedAllToAllDispatch, "overlap": OverlappedAllToAllDispatch}
 
 
 def apply_moe(moe_blocks: list[nn.Module], mesh: DeviceMesh, dispatch: str = "exact") -> None:
