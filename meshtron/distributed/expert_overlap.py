@@ -26,6 +26,8 @@ copies of a token in one chunk): each token's copies are summed in the exact
 dispatch's order, so the output equals it up to the GEMMs' rounding."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -102,8 +104,13 @@ class OverlappedAllToAllDispatch(nn.Module):
 
     @torch._dynamo.disable
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, mlp: nn.Module) -> torch.Tensor:
-        k, ep = experts.shape[1], self.ep
+        # both chunks inside one call of the experts module: FSDP gathers (and reduces) its weights once
         n_experts = mlp.w1.shape[0]                  # the global count (a DTensor's shape)
+        return mlp(x, schedule=functools.partial(self.chunks, weights, experts, n_experts))
+
+    def chunks(self, weights: torch.Tensor, experts: torch.Tensor, n_experts: int, x: torch.Tensor,
+               experts_forward) -> torch.Tensor:
+        k, ep = experts.shape[1], self.ep
         local_e = n_experts // ep
         half = (x.shape[0] + 1) // 2
         flats = experts[:half].flatten(), experts[half:].flatten()
@@ -124,7 +131,7 @@ class OverlappedAllToAllDispatch(nn.Module):
 
         def run_experts(c, rows):
             sort = by_expert(c)
-            y = mlp(rows[sort], got[c].sum(0))
+            y = experts_forward(rows[sort], got[c].sum(0))
             return torch.empty_like(y).index_copy(0, sort, y)
 
         rows_a = finish(*start(x[tokens[0]], recv[0], send[0], self.group))

@@ -96,14 +96,19 @@ class _GradScale(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def local_experts(experts: nn.Module, x: torch.Tensor, counts: torch.Tensor, *, grad_scale: float) -> torch.Tensor:
+def local_experts(experts: nn.Module, x: torch.Tensor, counts: torch.Tensor | None = None, *, grad_scale: float,
+                  schedule=None) -> torch.Tensor:
     """The experts module's forward on this rank's shards of its weights (Shard(0)
     over ep), gradients flowing back to the DTensors scaled by `grad_scale`. It
-    replaces the module's forward, so FSDP's hooks still gather the weights first."""
+    replaces the module's forward, so FSDP's hooks still gather the weights first.
+    `schedule(x, experts_forward)`: a dispatch that runs the experts several times
+    (expert_overlap.py, once per chunk) does it inside this one call, so FSDP
+    gathers and reduces the weights once."""
     params = {n: _GradScale.apply(p.to_local(grad_placements=p.placements), grad_scale) if isinstance(p, DTensor)
               else p for n, p in experts.named_parameters(recurse=False)}
     with _reparametrize_module(experts, params):
-        return type(experts).forward(experts, x, counts)
+        forward = functools.partial(type(experts).forward, experts)
+        return forward(x, counts) if schedule is None else schedule(x, forward)
 
 
 class AllToAllDispatch(nn.Module):

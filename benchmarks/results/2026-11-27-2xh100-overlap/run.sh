@@ -4,7 +4,8 @@
 # --ep 2 --zero 2 compiled at the preset's routing, beside torchtitan moe_ep2_2gpu (eager); from the repo root:
 #   bash benchmarks/results/2026-11-27-2xh100-overlap/run.sh
 # Jobs run one after another, each only if the call's time (BUDGET s) still holds it; the layouts
-# of one job share a process (exact first).
+# of one job share a process (exact first, but in `reversed`). The second call (the experts' FSDP unit
+# called once for both chunks): SKIP="fwdprefetch1 prefetch2" BUDGET=470.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 \
     PYTORCH_ALLOC_CONF=expandable_segments:True
@@ -38,7 +39,10 @@ job overlap 120 190 $BENCH --out $R/overlap --layouts ep2_zero2_compile,ep2_zero
 job fwdprefetch1 120 190 $BENCH --out $R/fwdprefetch1 --layouts ep2_zero2_compile,ep2_zero2_overlap_compile \
     --experiment fsdp-forward-prefetch-1 $MOE $COMMON
 job prefetch2 120 190 $BENCH --out $R/prefetch2 --layouts ep2_zero2_pf2_compile,ep2_zero2_overlap_pf2_compile $MOE $COMMON
-cat $R/overlap/results.jsonl $R/fwdprefetch1/results.jsonl $R/prefetch2/results.jsonl > $R/all.jsonl 2>/dev/null
+# the same pair, overlap first in its process
+job reversed 120 190 $BENCH --out $R/reversed --layouts ep2_zero2_overlap_compile,ep2_zero2_compile $MOE $COMMON
+cat $R/overlap/results.jsonl $R/fwdprefetch1/results.jsonl $R/prefetch2/results.jsonl $R/reversed/results.jsonl \
+    > $R/all.jsonl 2>/dev/null
 cp $R/all.jsonl $R/env.txt $R/times.txt $OUT/ 2>/dev/null
 cp $R/tt/suite.jsonl $OUT/torchtitan.jsonl 2>/dev/null
 (cd $R && tar czf $OUT/logs.tgz $(ls *.log */profile_*r0.txt tt/*.log 2>/dev/null))
