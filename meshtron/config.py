@@ -107,9 +107,11 @@ class ParallelConfig:
     """context-parallel attention: p2p (ring), allgather (K/V) or a2a (Ulysses, heads)"""
     moe_dispatch: str = field(default="exact", metadata={"choices": ("exact", "padded", "overlap")})
     ("mixture of experts under --ep: exact all-to-alls (split sizes copied to the host: one device sync "
-     "per layer) or padded ones (equal splits of every rank's copies: no host sync, ep x the all-to-all "
-     "bytes and buffers); measured on two H100s, llama-moe-3B --ep 2 --zero 2: padded slower compiled "
-     "(34.8k against 45.8k tokens/s/GPU), within the rounds' spread eager (35.7k against 33.6k) "
+     "per layer), padded ones (equal splits of every rank's copies: no host sync, ep x the all-to-all "
+     "bytes and buffers) or overlap (the exact ones in two token chunks, each chunk's all-to-alls beside "
+     "the other's expert GEMMs); measured on two H100s, llama-moe-3B --ep 2 --zero 2: padded slower compiled "
+     "(34.8k against 45.8k tokens/s/GPU), within the rounds' spread eager (35.7k against 33.6k); overlap "
+     "slower compiled (26.7k against 34.5k: the all-to-alls' time is mostly one rank waiting for the other) "
      "(benchmarks/RESULTS.md)")
     loss_parallel: bool = True
     """cross-entropy on vocab-sharded logits under tp (else the logits are gathered)"""

@@ -140,7 +140,6 @@ class OverlappedAllToAllDispatch(nn.Module):
         y_b = run_experts(1, finish(rows_b, dispatch_b))
         back = [finish(back_a, combine_a), finish(*start(y_b, send[1], recv[1], self.group))]
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        for c, (flat, order) in enumerate(zip(flats, orders)):
-            w = weights[:half] if c == 0 else weights[half:]
+        for c, (w, order) in enumerate(zip((weights[:half], weights[half:]), orders)):
             out.index_add_(0, tokens[c], back[c].float() * w.flatten()[order, None])
         return out.to(x.dtype)

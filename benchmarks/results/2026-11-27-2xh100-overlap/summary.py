@@ -36,7 +36,8 @@ for r in ours:
 for r in ours:
     if "step_ms" in r:
         print(f"{r['layout']} {r.get('experiment') or ''}: {r['device']}, torch {r['torch']}, losses "
-              f"{r.get('losses', [])[:4]}, load {r.get('expert_load_timed_max')}, profile {json.dumps(r.get('profile'))}")
+              f"{r.get('losses', [])[:4]}, load {r.get('expert_load_timed_max')}, "
+              f"profile {json.dumps(r.get('profile'))}")
 for r in peer:
     print(f"torchtitan {r['name']}: {r['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, MFU {r.get('mfu')}, "
           f"windows {r.get('tps_windows')}")
