@@ -95,6 +95,9 @@ LAYOUTS = {  # name: (GPUs, recipe flags); bf16 compute, fp32 master weights and
     "ep2": (2, ["--ep", "2", "--zero", "1"]),            # mixture-of-experts presets: experts over ep
     "ep2_zero2": (2, ["--ep", "2", "--zero", "2"]),      # a layout's flags follow the command line's: --zero here
     "ep2_zero2_padded": (2, ["--ep", "2", "--zero", "2", "--moe-dispatch", "padded"]),   # no host sync
+    "ep2_zero2_overlap": (2, ["--ep", "2", "--zero", "2", "--moe-dispatch", "overlap"]),   # a2a beside the GEMMs
+    "ep2_zero2_pf2": (2, ["--ep", "2", "--zero", "2", "--fsdp-prefetch", "2"]),   # all-gathers 2 blocks ahead
+    "ep2_zero2_overlap_pf2": (2, ["--ep", "2", "--zero", "2", "--moe-dispatch", "overlap", "--fsdp-prefetch", "2"]),
     "ep4": (4, ["--ep", "4", "--zero", "1"]),
 }
 
@@ -134,7 +137,22 @@ def _fp8_fp8_gather():
     float8.convert = lambda *a, **k: convert(*a, **{**k, "fsdp_all_gather": True})
 
 
+def _forward_prefetch_1():
+    """FSDP's explicit forward prefetch one block ahead (--fsdp-prefetch 1 leaves FSDP2's own:
+    a block's all-gather issued at its own pre-forward)."""
+    from meshtron.distributed import data_parallel
+    set_prefetch = data_parallel.set_prefetch
+
+    def explicit(blocks, depth):
+        set_prefetch(blocks, depth)
+        if depth == 1:
+            for i, block in enumerate(blocks[:-1]):
+                block.set_modules_to_forward_prefetch([blocks[i + 1]])
+    data_parallel.set_prefetch = explicit
+
+
 EXPERIMENTS = {  # code paths other than the shipped ones (replaced or proposed), measured against them in one run
+    "fsdp-forward-prefetch-1": _forward_prefetch_1,
     "fp8-fp8-gather": _fp8_fp8_gather,
     "split-even": _split_even,
     "sac-save-sdpa": _sac_save_sdpa,

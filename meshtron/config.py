@@ -105,11 +105,13 @@ class ParallelConfig:
      "no faster: tp2 on two H100s hid 26 ms of communication and slowed those matmuls 24 ms (benchmarks/RESULTS.md)")
     cp_comm: str = field(default="p2p", metadata={"choices": ("p2p", "allgather", "a2a")})
     """context-parallel attention: p2p (ring), allgather (K/V) or a2a (Ulysses, heads)"""
-    moe_dispatch: str = field(default="exact", metadata={"choices": ("exact", "padded")})
+    moe_dispatch: str = field(default="exact", metadata={"choices": ("exact", "padded", "overlap")})
     ("mixture of experts under --ep: exact all-to-alls (split sizes copied to the host: one device sync "
-     "per layer) or padded ones (equal splits of every rank's copies: no host sync, ep x the all-to-all "
-     "bytes and buffers); measured on two H100s, llama-moe-3B --ep 2 --zero 2: padded slower compiled "
-     "(34.8k against 45.8k tokens/s/GPU), within the rounds' spread eager (35.7k against 33.6k) "
+     "per layer), padded ones (equal splits of every rank's copies: no host sync, ep x the all-to-all "
+     "bytes and buffers) or overlap (the exact ones in two token chunks, each chunk's all-to-alls beside "
+     "the other's expert GEMMs); measured on two H100s, llama-moe-3B --ep 2 --zero 2: padded slower compiled "
+     "(34.8k against 45.8k tokens/s/GPU), within the rounds' spread eager (35.7k against 33.6k); overlap "
+     "slower compiled (26.7k against 34.5k: the all-to-alls' time is mostly one rank waiting for the other) "
      "(benchmarks/RESULTS.md)")
     loss_parallel: bool = True
     """cross-entropy on vocab-sharded logits under tp (else the logits are gathered)"""
@@ -339,8 +341,9 @@ class Config:
             raise ConfigError(f"--pp-schedule {p.pp_schedule} computes weight gradients outside FSDP's backward, "
                               "and with --zero 3 (parameters resharded after each forward) some of them are lost: "
                               "use --zero 2 (the same sharded gradients and optimizer state) or another schedule")
-        if p.moe_dispatch == "padded" and d["ep"] == 1:
-            raise ConfigError("--moe-dispatch padded pads expert parallelism's all-to-alls: it needs --ep > 1")
+        if p.moe_dispatch != "exact" and d["ep"] == 1:
+            raise ConfigError(f"--moe-dispatch {p.moe_dispatch} changes expert parallelism's all-to-alls: it needs "
+                              "--ep > 1")
         data = self.data
         if data.document_mask and d["cp"] > 1 and p.cp_comm != "a2a":
             raise ConfigError(f"--document-mask under context parallelism takes --cp-comm a2a (Ulysses: each rank "

@@ -16,7 +16,9 @@ copies its split sizes to the host, which waits for the GPU once per layer. The
 padded one (PaddedAllToAllDispatch, --moe-dispatch padded) sends every rank a
 block of every copy this rank has, T k rows, real ones first: equal splits, no
 host sync and static shapes, for ep x the all-to-all bytes, received rows and
-expert rows (torch._grouped_mm computes only the real ones).
+expert rows (torch._grouped_mm computes only the real ones). The overlapped one
+(expert_overlap.py, --moe-dispatch overlap) runs the exact dispatch in two chunks
+of tokens, each chunk's all-to-alls beside the other chunk's expert GEMMs.
 
 For the dense parameters ep is one more data-parallel axis (the batch is sharded
 over dp x ep; FSDP over dp x cp x ep). Expert weights are FSDP-sharded over expert_dp (dp x cp), and since each
@@ -50,6 +52,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from meshtron.distributed.context_parallel import local_positions
 from meshtron.distributed.counts import counts, host_counts
+from meshtron.distributed.expert_overlap import OverlappedAllToAllDispatch
 from meshtron.distributed.mesh import degree, submesh
 
 
@@ -93,14 +96,19 @@ class _GradScale(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def local_experts(experts: nn.Module, x: torch.Tensor, counts: torch.Tensor, *, grad_scale: float) -> torch.Tensor:
+def local_experts(experts: nn.Module, x: torch.Tensor, counts: torch.Tensor | None = None, *, grad_scale: float,
+                  schedule=None) -> torch.Tensor:
     """The experts module's forward on this rank's shards of its weights (Shard(0)
     over ep), gradients flowing back to the DTensors scaled by `grad_scale`. It
-    replaces the module's forward, so FSDP's hooks still gather the weights first."""
+    replaces the module's forward, so FSDP's hooks still gather the weights first.
+    `schedule(x, experts_forward)`: a dispatch that runs the experts several times
+    (expert_overlap.py, once per chunk) does it inside this one call, so FSDP
+    gathers and reduces the weights once."""
     params = {n: _GradScale.apply(p.to_local(grad_placements=p.placements), grad_scale) if isinstance(p, DTensor)
               else p for n, p in experts.named_parameters(recurse=False)}
     with _reparametrize_module(experts, params):
-        return type(experts).forward(experts, x, counts)
+        forward = functools.partial(type(experts).forward, experts)
+        return forward(x, counts) if schedule is None else schedule(x, forward)
 
 
 class AllToAllDispatch(nn.Module):
@@ -173,7 +181,7 @@ class PaddedAllToAllDispatch(AllToAllDispatch):
         return out.to(x.dtype)
 
 
-DISPATCHES = {"exact": AllToAllDispatch, "padded": PaddedAllToAllDispatch}
+DISPATCHES = {"exact": AllToAllDispatch, "padded": PaddedAllToAllDispatch, "overlap": OverlappedAllToAllDispatch}
 
 
 def apply_moe(moe_blocks: list[nn.Module], mesh: DeviceMesh, dispatch: str = "exact") -> None:
