@@ -33,7 +33,9 @@ import sys
 
 import torch
 
-from meshtron.models.common.moe import Experts, MoE, MoEConfig, batch_bias, grouped_mm
+from meshtron.models.common.experts import Experts, grouped_mm
+from meshtron.models.common.moe import MoE, MoEConfig
+from meshtron.models.common.moe_balance import batch_bias
 
 
 def timings(fn, reps: int = 20, warmup: int = 5, inner: int = 10) -> tuple[float, float]:

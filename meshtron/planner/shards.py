@@ -14,7 +14,7 @@ from torch.distributed.tensor.parallel import PrepareModuleInputOutput, Sequence
 
 from meshtron import models
 from meshtron.distributed.tensor_parallel import matches
-from meshtron.models.common.moe import Experts
+from meshtron.models.common.experts import Experts
 from meshtron.planner.state import _meta_model, _param_table
 
 

@@ -21,7 +21,7 @@ from meshtron.config import ParallelConfig
 from meshtron.distributed.mesh import AXES, SUBMESHES
 from meshtron.distributed.pipeline_parallel import stage_ids_of
 from meshtron.distributed.tensor_parallel import matches, split_dims
-from meshtron.models.common.moe import Experts
+from meshtron.models.common.experts import Experts
 
 
 def coordinate(rank: int, degrees: dict[str, int]) -> dict[str, int]:

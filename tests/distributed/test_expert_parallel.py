@@ -15,7 +15,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from meshtron import ParallelConfig
 from meshtron.models import GPT, gpt_config
-from meshtron.models.common import moe as moe_module
+from meshtron.models.common import experts as experts_module
 from meshtron.models.common.moe import MoE, MoEConfig, capacity_keep, end_step, moe_param_count
 from meshtron.models.gpt import SPEC as GPT_SPEC
 from meshtron.models.llama import SPEC as LLAMA_SPEC
@@ -118,7 +118,7 @@ def _one_layer(rank, world, model, dispatch, banned, compiled):
     if compiled:
         torch._dynamo.reset()
         block.dispatch = torch.compile(block.dispatch, backend="aot_eager", fullgraph=True)
-    with mock.patch.object(moe_module, "grouped_mm", _device_grouped_mm if compiled else moe_module.grouped_mm):
+    with mock.patch.object(experts_module, "grouped_mm", _device_grouped_mm if compiled else experts_module.grouped_mm):
         y = block(x)
         (y * torch.linspace(-1, 1, 64)).sum().backward()
     grads = [x.grad, block.router.gate.weight.grad] + [p.grad.to_local() for p in block.experts.parameters()]

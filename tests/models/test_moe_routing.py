@@ -8,7 +8,8 @@ preset's defaults ends balanced."""
 import pytest
 import torch
 
-from meshtron.models.common.moe import MoE, MoEConfig, Router, StepSum, batch_bias, end_step, moe_blocks, step_loads
+from meshtron.models.common.moe import MoE, MoEConfig, Router, end_step, moe_blocks, step_loads
+from meshtron.models.common.moe_balance import StepSum, batch_bias
 
 
 def _block(dim=8, **kw):

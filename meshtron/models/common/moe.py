@@ -13,6 +13,7 @@ parallelism swaps in one that moves tokens by all-to-all, from outside).
              sequence; `balanced` (benchmarks only) assigns experts round-robin
     experts  SwiGLU w2(silu(x w1_gate) * x w1_up) or GeLU (x w1 + b1) -> w2 + b2,
              one grouped GEMM per projection over the tokens sorted by expert
+             (experts.py)
     balance  the auxiliary loss a E sum_i f_i P_i (Switch / Megatron: f_i the
              fraction of copies the router itself sent expert i over the whole
              previous step, every rank's and micro-batch's (the global batch's,
@@ -22,9 +23,9 @@ parallelism swaps in one that moves tokens by all-to-all, from outside).
              expert bias, moved after each step towards equal token counts of
              the router's own choice in proportion to each expert's distance
              from the mean load; and, with batch_balance = r rounds, a second
-             bias for each sequence alone (batch_bias) that gives every expert
+             bias for each sequence alone (moe_balance.py) that gives every expert
              about the mean number of its copies, the weights faded to 0 where
-             that choice flips (sequence_balance): these two train the router to
+             that choice flips: these two train the router to
              balance over the data, this one evens each step, whose few
              documents route much alike
     capacity dropless by default; with a capacity factor c each expert takes
@@ -54,35 +55,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from meshtron.distributed.counts import counts as expert_counts
-from meshtron.distributed.counts import host_counts
+from meshtron.models.common.experts import Experts
+from meshtron.models.common.moe_balance import StepSum, gather_seq, sequence_balance
 from meshtron.models.common.moe_config import MoEConfig, moe_param_count  # noqa: F401 - imported from here too
-
-
-class StepSum(nn.Module):
-    """Sums a tensor over a group of ranks that hold other tokens (of the same step,
-    or of the same sequences), the gradient flowing to this rank's own part only:
-    the identity in one process; layouts replace it (expert_parallel.TokenSum)."""
-
-    size = 1
-
-    def forward(self, t: torch.Tensor) -> torch.Tensor:
-        return t
-
-    def gather(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """(every rank's t concatenated in token order, where this rank's rows start)."""
-        return t, 0
-
-    def positions(self, n: int, device=None) -> torch.Tensor:
-        """Where this rank's n tokens of each sequence sit in it (context parallelism's
-        split is not in rank order)."""
-        return torch.arange(n, device=device)
-
-
-def gather_seq(parts: StepSum, t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """t (B, T_local, ...) -> (B, T, ...) with the tokens of the same sequences that the
-    ranks of `parts` hold, and where this rank's start along dim 1."""
-    whole, start = parts.gather(t.transpose(0, 1).contiguous())
-    return whole.transpose(0, 1), start
 
 
 class _AuxLoss(torch.autograd.Function):
@@ -137,116 +112,6 @@ class Router(nn.Module):
             # would jump where balancing swaps one of them
             weights = weights / own_weights.sum(-1, keepdim=True)
         return weights, experts, scores, own
-
-
-# Batch balancing's two scales, in logits: far above the fp32 rounding by which the layouts'
-# logits differ, far below the differences the router learns
-TIE_SPREAD = 1e-4   # a fixed pattern over positions and experts that parts near-identical tokens
-FADE = 1e-3         # an expert's weight falls to 0 as its lead over the first unchosen one does
-
-
-@torch.no_grad()
-def sequence_balance(select: torch.Tensor, k: int, rounds: int, parts: StepSum) -> tuple[torch.Tensor, torch.Tensor]:
-    """select (B, T_local, E), the selection logits of B sequences -> the experts
-    (B T_local, k) that even each whole sequence (batch_bias over its tokens, of
-    which the ranks of `parts` hold the others), and each one's fade in [0, 1].
-    A function of each sequence alone, so of no layout or micro-batch cut; and a
-    continuous one, so that the layouts' fp32 rounding of the weights moves the
-    losses by no more than its change of the logits over FADE: the top-k of logits
-    + a per-sequence bias is a discrete choice, and balancing sends tokens to within
-    rounding of its ties (a sequence routes much alike, and the bias splits it),
-    where the chosen set flips. The fade, the chosen expert's lead over the first unchosen one over FADE
-    capped at 1, takes an expert's weight to 0 before it leaves the set, the next one
-    comes in at 0, and the weights' normalization (the router's own top-k's) does
-    not jump. TIE_SPREAD parts tokens the router sees alike, whom no bias could split."""
-    E = select.shape[-1]
-    i = parts.positions(select.shape[1], select.device)[:, None] * E + torch.arange(E, device=select.device)
-    select = select + ((i * 40503 % 65536).to(select.dtype) / 65536 - 0.5) * TIE_SPREAD   # a multiplicative hash
-    whole, _ = gather_seq(parts, select)    # in any order: batch_bias reads order statistics only
-    s = select + batch_bias(whole, k, rounds).unsqueeze(1)
-    top = s.flatten(0, 1).topk(k + 1, dim=-1)
-    return top.indices[:, :k], ((top.values[:, :k] - top.values[:, k:]) / FADE).clamp(max=1.0)
-
-
-@torch.no_grad()
-def batch_bias(select: torch.Tensor, k: int, rounds: int) -> torch.Tensor:
-    """select (..., N, E) -> a bias (..., E) under which the top-k of select + bias gives
-    each expert about the mean k N / E of the N tokens' copies. Each round moves every
-    expert's bias towards where, the others' held, it would take exactly that many:
-    halfway between its target-th and next token, ranked by how far the expert is
-    above (chosen) or below (not chosen) the token's cut-off (the next-best
-    expert's logit, or the k-th one's). Experts move at once, and tokens rank
-    them much alike, so after the first round (from a collapsed router a long way,
-    taken whole) full moves overshoot and oscillate; 70% of one settles
-    (benchmarks/RESULTS.md has the rounds measured). Every step is a continuous
-    function of select (order statistics, and margins that meet at 0 where a token's
-    choice changes), so the bias is too."""
-    n, n_experts = select.shape[-2:]
-    bias = select.new_zeros(*select.shape[:-2], n_experts)
-    if k >= n_experts or n < 2:
-        return bias
-    target = min(math.ceil(k * n / n_experts), n - 1)
-    for r in range(rounds):
-        s = select + bias.unsqueeze(-2)
-        top = s.topk(k + 1, dim=-1).values                      # (..., N, k+1)
-        chosen = s >= top[..., k - 1:k]
-        cutoff = torch.where(chosen, top[..., k:], top[..., k - 1:k])
-        ranked = (s - cutoff).topk(target + 1, dim=-2).values          # (..., target + 1, E), descending
-        move = torch.lerp(ranked[..., -2, :], ranked[..., -1, :], 0.5).nan_to_num(0.0, 0.0, 0.0)   # -inf stays off
-        bias -= (1.0 if r == 0 else 0.7) * move
-    return bias
-
-
-class Experts(nn.Module):
-    """n_experts MLPs as one 3-D weight per projection; forward takes the tokens
-    sorted by expert and each expert's row count (a tensor on their device).
-    Rows past the last expert's (a padded dispatch's) are padding: their outputs
-    are unspecified and they add nothing to any gradient. SwiGLU's w1 holds the
-    gate and up projections side by side, [E, dim, 2h]: one grouped GEMM for both
-    (Megatron's fused fc1), whose fixed cost per call dominates small groups."""
-
-    def __init__(self, dim: int, cfg: MoEConfig, n_experts: int | None = None):
-        super().__init__()
-        e, h = n_experts or cfg.n_experts, cfg.hidden
-        self.swiglu = cfg.activation == "swiglu"
-        self.w1 = nn.Parameter(torch.empty(e, dim, 2 * h if self.swiglu else h))
-        self.w2 = nn.Parameter(torch.empty(e, h, dim))
-        if not self.swiglu:
-            self.b1, self.b2 = nn.Parameter(torch.zeros(e, h)), nn.Parameter(torch.zeros(e, dim))
-
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        if self.swiglu:
-            gate, up = grouped_mm(x, self.w1, counts).chunk(2, dim=-1)
-            return grouped_mm(F.silu(gate) * up, self.w2, counts)
-        h = grouped_mm(x, self.w1, counts)
-        h = F.gelu(h + per_row(self.b1.to(h.dtype), counts, h.shape[0]), approximate="tanh")   # fp32 under autocast
-        y = grouped_mm(h, self.w2, counts)
-        return y + per_row(self.b2.to(y.dtype), counts, y.shape[0])
-
-
-def per_row(b: torch.Tensor, counts: torch.Tensor, rows: int) -> torch.Tensor:
-    """(E, n) -> (rows, n): expert g's row counts[g] times, zeros for the rows past them."""
-    padding = (rows - counts.sum()).view(1)
-    return torch.cat([b, b.new_zeros(1, b.shape[1])]).repeat_interleave(torch.cat([counts, padding]), 0,
-                                                                          output_size=rows)
-
-
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Rows of x (sorted by group) times their group's w[g]: (M, K) x (G, K, N) -> (M, N).
-    torch._grouped_mm on Hopper in bf16 (one kernel, offsets on the GPU: no host
-    sync); elsewhere one matmul per group. Rows past the last group are padding:
-    torch._grouped_mm leaves their output unwritten, the loop writes zeros. Empty
-    groups still multiply (0 rows), so w and x get gradients, zero ones, on a rank
-    that received no tokens: its backward then runs the same collectives as its peers'.
-    w is cast to x's dtype: autocast does not cover torch._grouped_mm, and leaves the
-    weights fp32 (under FSDP's bf16 weights the cast does nothing)."""
-    w = w.to(x.dtype)
-    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and x.shape[0] > 0 and \
-            torch.cuda.get_device_capability(x.device)[0] == 9:
-        return torch._grouped_mm(x, w, offs=counts.cumsum(0, dtype=torch.int32))
-    sizes = host_counts(counts, x.shape[0])
-    parts = x.split(sizes + [x.shape[0] - sum(sizes)])
-    return torch.cat([xi @ w[g] for g, xi in enumerate(parts[:-1])] + [x.new_zeros(parts[-1].shape[0], w.shape[2])])
 
 
 def capacity_keep(weights: torch.Tensor, experts: torch.Tensor, n_experts: int, capacity: float,
