@@ -109,14 +109,16 @@ def _in_the_writer(rank, world, argv):
     (this pid, the writer's pid and name, whether every tensor of the host copy is in
     shared memory, the shapes of tensors a save sent by value, whether the writer is
     gone after the run, the losses, the threads that made a host copy)."""
-    import meshtron.train.async_checkpoint as ac
+    import torch.distributed.checkpoint as dcp
+
     from meshtron import Config, Trainer, models
+    from meshtron.train import checkpoint_writer as cw
     from meshtron.train import host_copy
 
     def refuse(*args, **kwargs):
         raise AssertionError("dcp.save ran in the training process")
 
-    by_value, index, real = [], ac._Pickler.persistent_id, ac.dcp.save
+    by_value, index, real = [], cw.IndexPickler.persistent_id, dcp.save
 
     def watched(pickler, obj):
         found = index(pickler, obj)
@@ -130,7 +132,7 @@ def _in_the_writer(rank, world, argv):
         made.append(threading.current_thread().name)
         return allocate(state, pin)
 
-    ac.dcp.save, ac._Pickler.persistent_id, host_copy.allocate = refuse, watched, recorded
+    dcp.save, cw.IndexPickler.persistent_id, host_copy.allocate = refuse, watched, recorded
     try:
         trainer = Trainer(Config.from_args(argv, models=models.PRESETS), verbose=False)
         pid = trainer.saver.writer_pid
@@ -140,7 +142,7 @@ def _in_the_writer(rank, world, argv):
         name = _name(pid)
         losses = trainer.train()      # and closes the saver, which stops the writer
     finally:
-        ac.dcp.save, ac._Pickler.persistent_id, host_copy.allocate = real, index, allocate
+        dcp.save, cw.IndexPickler.persistent_id, host_copy.allocate = real, index, allocate
     local = [t.to_local() if isinstance(t, DTensor) else t for t in host_copy.tensors(trainer.saver._host)]
     shared = all(t.is_shared() for t in local)
     return os.getpid(), pid, name, shared, by_value, not _alive(pid), losses, made

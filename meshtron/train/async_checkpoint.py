@@ -26,11 +26,9 @@ stop the writer and raise, and it is never renamed into place.
 
 Why a process: DCP's planning and serialization are Python, and a writer thread in
 this process took the GIL from a host-bound step loop: steps ran slower while a write
-was in flight (bench_checkpoint.py measures it). The writer process holds no GIL of
-ours. The host copy's tensors reach it once, as shared-memory handles
-(torch.multiprocessing pickles a shared tensor as a file descriptor, not its bytes);
-each save then sends their indices in that copy and its few other values (the step,
-the data position). The thread left here waits on a pipe and on the barriers, and
+was in flight (bench_checkpoint.py measures it). The writer process
+(checkpoint_writer.py) holds no GIL of ours, and gets the host copy's tensors once, as
+shared-memory handles. The thread left here waits on a pipe and on the barriers, and
 does rank 0's publish, which reads every rank's files of the checkpoint back in full
 for the CRC32 that meshtron.json records (zlib and file reads let go of the GIL while
 they work). The writer sees no GPU; it dies with this
@@ -51,23 +49,19 @@ from __future__ import annotations
 
 import datetime
 import io
-import logging
 import os
-import pickle
-import signal
 import threading
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch.distributed._state_dict_utils import CompanionMismatch, _copy_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from meshtron.train import checkpoint, host_copy, lifetime
+from meshtron.train import checkpoint, checkpoint_writer, host_copy, lifetime
+from meshtron.train.checkpoint_writer import first_line
 
 # A writer is started by a fork server: one interpreter per training process, which
 # imports these once; each writer is then a fork of it (milliseconds), where "spawn"
@@ -75,7 +69,7 @@ from meshtron.train import checkpoint, host_copy, lifetime
 # process with CUDA or gloo threads is unsafe. As with spawn, a writer imports the
 # main module: a script that trains needs the `if __name__ == "__main__":` guard, and
 # the saver refuses one without it (lifetime.unguarded_main).
-_PRELOAD = ["torch", "torch.distributed.checkpoint", __name__]
+_PRELOAD = ["torch", "torch.distributed.checkpoint", checkpoint_writer.__name__]
 
 
 class BackgroundSaver:
@@ -102,7 +96,7 @@ class BackgroundSaver:
                 self._store = _start_store(addr, world, timeout)
                 port[0] = self._store.port
             except Exception as e:  # noqa: BLE001 - said on every rank below, not only here
-                port[0] = f"{type(e).__name__}: {_first_line(e)}"
+                port[0] = f"{type(e).__name__}: {first_line(e)}"
         if self.group is not None:
             dist.broadcast_object_list(port, src=0, group=self.group)
         if not isinstance(port[0], int):
@@ -117,7 +111,7 @@ class BackgroundSaver:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(_PRELOAD)   # where this process starts the fork server
         self._conn, theirs = ctx.Pipe()
-        self._writer = ctx.Process(target=_serve, args=(theirs, addr, port[0], rank, world, timeout_s),
+        self._writer = ctx.Process(target=checkpoint_writer.serve, args=(theirs, addr, port[0], rank, world, timeout_s),
                                    name=f"meshtron-writer-{rank}", daemon=True)
         self._writer.start()
         theirs.close()
@@ -190,7 +184,7 @@ class BackgroundSaver:
         error, self._prepare_error = self._prepare_error, None
         if error is not None:
             raise checkpoint.CheckpointError(f"making the host copy for --checkpoint-async failed: "
-                                             f"{type(error).__name__}: {_first_line(error)}") from error
+                                             f"{type(error).__name__}: {first_line(error)}") from error
 
     def wait(self) -> str | None:
         """Block until the save in flight is on disk; returns its path (None when no
@@ -325,7 +319,7 @@ class BackgroundSaver:
                 self._conn.send(("copy", tensors))
                 self._indices = {id(t): i for i, t in enumerate(tensors)}
             data = io.BytesIO()
-            _Pickler(data, self._indices).dump(staged)
+            checkpoint_writer.IndexPickler(data, self._indices).dump(staged)
             self._conn.send(("save", data.getvalue(), path))
             error = self._conn.recv()
         except (EOFError, OSError) as e:
@@ -335,7 +329,7 @@ class BackgroundSaver:
         if error is not None:   # the writer's own error, said in one line; its traceback is a note
             failed = checkpoint.CheckpointError(f"the background save to {path} failed in the writer process "
                                                 f"(pid {self.writer_pid}): {type(error).__name__}: "
-                                                f"{_first_line(error)}")
+                                                f"{first_line(error)}")
             # DCP gathers every rank's failure and raises it on every rank (a BaseException,
             # which one_line_errors would not catch): said once
             failed.all_ranks = isinstance(error, CheckpointException)
@@ -346,97 +340,6 @@ class BackgroundSaver:
     def _barrier(self) -> None:
         if self.group is not None:
             dist.barrier(group=self.group)
-
-
-def _serve(conn, addr: str, port: int, rank: int, world: int, timeout_s: float) -> None:
-    """The writer process: joins the writers' group, then writes each state it is sent
-    with dcp.save and answers None or the error, until None or the pipe's end."""
-    lifetime.die_with_parent("the checkpoint writer's fork server")   # which ends with the training process
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # a Ctrl-C is the training process's to handle
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""   # the copy is in host memory: no CUDA context (GPU memory) here
-    # a DTensor's mesh arrives without the job's process groups, and torch warns of each
-    # group it does not find here: DCP needs only the mesh's coordinates
-    logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
-    try:
-        with open("/proc/self/comm", "w") as f:    # `ps -o pid,comm` names it
-            f.write("meshtron-writer")
-    except OSError:
-        pass
-    joined, host = None, []
-    try:
-        timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-    except Exception as e:  # noqa: BLE001 - the answer to every request
-        joined = e
-    unusable = None   # why the host copy last sent did not arrive
-    while True:
-        try:
-            request = conn.recv()
-        except EOFError:   # the training process closed its end, or is gone
-            return
-        except Exception as e:  # noqa: BLE001 - a host copy whose handles do not open here: the next save's answer
-            unusable = e
-            continue
-        if request is None:
-            return
-        if request[0] == "copy":   # the tensors of a new host copy
-            host, unusable = request[1], None
-            continue
-        try:
-            if joined is not None:
-                raise joined
-            if unusable is not None:
-                raise unusable
-            staged = _Unpickler(io.BytesIO(request[1]), host).load()
-            dcp.save(staged, checkpoint_id=request[2], process_group=dist.group.WORLD)
-            error = None
-        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is one: sent back, raised from wait()
-            error = _sendable(e)
-        staged = request = None
-        conn.send(error)
-
-
-class _Pickler(pickle.Pickler):
-    """Pickles a tensor of the host copy as its index in the copy."""
-
-    def __init__(self, file, indices: dict[int, int]):
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.indices = indices
-
-    def persistent_id(self, obj):
-        if isinstance(obj, torch.Tensor):
-            if id(obj) in self.indices:
-                return self.indices[id(obj)]
-            if obj.device.type != "cpu":   # the writer must not touch CUDA
-                raise checkpoint.CheckpointError(f"a {obj.device} tensor outside the host copy")
-        return None
-
-
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, file, host: list):
-        super().__init__(file)
-        self.host = host
-
-    def persistent_load(self, index: int):
-        return self.host[index]
-
-
-def _sendable(e: BaseException) -> BaseException:
-    """`e` with the writer's traceback as a note, or a RuntimeError that says it where
-    `e` cannot be pickled."""
-    where = f"in the checkpoint writer process (pid {os.getpid()}):\n" + "".join(traceback.format_exception(e))
-    try:
-        e.add_note(where)
-        pickle.loads(pickle.dumps(e))
-        return e
-    except Exception:  # noqa: BLE001
-        return RuntimeError(f"{type(e).__name__}: {e}\n{where}")
-
-
-def _first_line(e: BaseException) -> str:
-    lines = [line for line in str(e).splitlines() if line.strip()]
-    return lines[0] if lines else type(e).__name__
 
 
 def _start_store(addr: str, world: int, timeout: datetime.timedelta):
