@@ -1,10 +1,8 @@
 """The config tree: one dataclass per section, a one-line docstring per field.
 
-The command line is generated from it (`--micro-batch` is `training.micro_batch`,
-booleans take `--x` / `--no-x`, choices come from the code that uses them), a
-TOML file with the same sections can hold any of it (`--config run.toml`; flags
-override the file; `--print-config` writes the resolved tree as such a file),
-and the same object is what a checkpoint stores as the run's layout. `validate`
+The command line and --config files are generated from it (meshtron/command_line.py:
+`--micro-batch` is `training.micro_batch`), and the same object is what a checkpoint
+stores as the run's layout. `validate`
 checks everything that needs no model and no process group, so a bad value is
 one clear sentence on every rank before anything communicates. It imports no
 torch, nor anything that does: the recipe parses and checks the flags before torch
@@ -13,17 +11,14 @@ loads (seconds on every rank), so a mistake shows at once.
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
-import functools
-import inspect
 import json
 import os
 import sys
-import tomllib
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 
+from meshtron.command_line import ConfigError, field_docs, parser, preset_training, read_toml
 from meshtron.distributed.choices import (
     AXES,
     DTYPES,
@@ -49,12 +44,6 @@ def _torch_version() -> str:
 
 def _torch_before(major: int, minor: int) -> bool:
     return tuple(int(v) for v in _torch_version().split(".")[:2]) < (major, minor)
-
-
-class ConfigError(ValueError):
-    """A value the user gave cannot work; the message names it. Every rank has
-    the same config, so every rank raises it (meshtron.distributed.agree)."""
-    all_ranks = True
 
 
 @dataclass
@@ -246,17 +235,17 @@ class Config:
     def from_args(argv=None, description: str | None = None, models=None) -> Config:
         """The command line over an optional --config file over the defaults.
         `models`: the presets --model accepts (meshtron.models.PRESETS, or without torch
-        meshtron.models.presets.TRAINING: see preset_training)."""
+        meshtron.models.presets.TRAINING: see command_line.preset_training)."""
         return Config.parse(argv, description, models)[0]
 
     @staticmethod
     def parse(argv=None, description: str | None = None, models=None) -> tuple[Config, argparse.Namespace]:
         """from_args, and the parsed flags too: the ones that are actions rather than
         settings (--dry-run) are the caller's to act on. --print-config prints and exits."""
-        p = parser(description, models)
+        p = parser(SECTIONS, description, models)
         first, _ = p.parse_known_args(argv)
         if first.config:
-            p.set_defaults(**read_toml(first.config, models))
+            p.set_defaults(**read_toml(first.config, SECTIONS, models))
         args = p.parse_args(argv)
         preset = preset_training(models, args.model)
         for f in dataclasses.fields(TrainingConfig):
@@ -350,114 +339,3 @@ class Config:
                               f"attends over the whole sequence, which the mask covers); --cp-comm {p.cp_comm} "
                               "does not take a mask")
         return d
-
-
-# ---- the command line, generated from the dataclasses ---------------------------
-
-def preset_training(models, preset: str) -> dict:
-    """The training settings a preset's family is trained with ({"lr": ..., "warmup": ...});
-    empty for an unknown preset or without the registry. `models`: the registry (preset ->
-    ModelSpec, meshtron.models.PRESETS) or its torch-free index (preset -> these settings,
-    meshtron.models.presets.TRAINING), which the recipe parses with before torch loads."""
-    entry = (models or {}).get(preset)
-    if entry is None:
-        return {}
-    return dict(entry) if isinstance(entry, dict) else dict(entry.training.get(preset, {}))
-
-
-@functools.cache
-def _classes(module: str) -> dict[str, ast.ClassDef]:
-    """The module's top-level classes, parsed once (inspect.getsource of a class parses the
-    whole module again for each)."""
-    tree = ast.parse(inspect.getsource(sys.modules[module]))
-    return {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
-
-
-@functools.cache
-def field_docs(cls) -> dict[str, str]:
-    """The string literal under each field: the attribute docstrings of `cls`."""
-    body = _classes(cls.__module__)[cls.__name__].body
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = nxt.value.value
-    return docs
-
-
-def _type_of(f: dataclasses.Field):
-    t = f.type if isinstance(f.type, str) else f.type.__name__
-    for name, py in (("int", int), ("float", float), ("str", str)):
-        if t.startswith(name):
-            return py
-    raise TypeError(f"config field {f.name} has a type the command line cannot parse: {t}")
-
-
-def read_toml(path: str, models=None) -> dict:
-    """{field: value} of a config file, every key and type checked against the tree."""
-    try:
-        with open(path, "rb") as f:
-            tree = tomllib.load(f)
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise ConfigError(f"--config {path}: {e}") from None
-    values = {}
-    for section, table in tree.items():
-        if section not in SECTIONS or not isinstance(table, dict):
-            raise ConfigError(f"--config {path}: unknown section [{section}]; known: {', '.join(SECTIONS)}")
-        fields = {f.name: f for f in dataclasses.fields(SECTIONS[section])}
-        for key, value in table.items():
-            if key not in fields:
-                raise ConfigError(f"--config {path}: [{section}] has no field {key!r}; known: {', '.join(fields)}")
-            f = fields[key]
-            kind = bool if f.type in ("bool", bool) else _type_of(f)
-            ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool)) or \
-                (kind is float and isinstance(value, int) and not isinstance(value, bool))
-            choices = tuple(models) if key == "model" and models else f.metadata.get("choices")
-            if not ok or (choices and value not in choices):
-                want = f"one of {list(choices)}" if choices else f"a {kind.__name__}"
-                raise ConfigError(f"--config {path}: [{section}] {key} = {value!r} must be {want}")
-            values[key] = value
-    return values
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse's parser whose mistakes raise ConfigError: one line, which the recipe
-    prints once under torchrun (every rank parses the same command line) and hands
-    to torchrun's summary, instead of the usage block and exit 2 on every rank."""
-
-    def error(self, message):
-        raise ConfigError(f"{message} (see --help)")
-
-
-def parser(description: str | None = None, models=None) -> argparse.ArgumentParser:
-    p = OneLineParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=None, help="a TOML file with the sections below; flags override it")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config as such a file and exit")
-    p.add_argument("--dry-run", type=int, default=None, metavar="N", nargs="?", const=0,
-                   help="build the layout as each rank of a world of N on this one process (fake process group, "
-                        "meta tensors), print each rank's parameter, gradient and optimizer bytes and exit; with "
-                        "--layout auto, print the chosen layout and its command for N ranks (default N: the "
-                        "launcher's world size) and exit (default: off)")
-    p.add_argument("--layout", default=None, choices=("auto",),
-                   help="auto: train with the planner's fastest layout that fits this world size, model, "
-                        "--seq-len and --global-batch (it sets --dp ... --micro-batch; docs/planner.md) "
-                        "(default: the layout flags as given)")
-    p.add_argument("--dry-run-ranks", default=None, metavar="R,R,...",
-                   help="only these ranks of the dry run (default: all)")
-    for section, cls in SECTIONS.items():
-        group = p.add_argument_group(section)
-        docs = field_docs(cls)
-        for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            help_ = f"{docs[f.name]} (default: {f.default})"
-            if f.metadata.get("preset"):   # the preset's own, listed; else the field's default
-                by_preset = {m: preset_training(models, m).get(f.name) for m in (models or {})}
-                listed = ", ".join(f"{m} {v:g}" for m, v in by_preset.items() if v is not None)
-                help_ = f"{docs[f.name]} (default: the preset's: {listed}; else {f.default})"
-                group.add_argument(flag, type=_type_of(f), default=None, help=help_)
-                continue
-            if f.type in ("bool", bool):
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
-            else:
-                choices = tuple(models) if f.name == "model" and models else f.metadata.get("choices")
-                group.add_argument(flag, type=_type_of(f), default=f.default, help=help_, choices=choices)
-    return p

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from meshtron import models
-from meshtron.config import OneLineParser, ParallelConfig
+from meshtron.command_line import OneLineParser
+from meshtron.config import ParallelConfig
 from meshtron.distributed.agree import agree
 from meshtron.distributed.mesh import init_mesh
 from meshtron.distributed.tied import materialize

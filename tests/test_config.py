@@ -2,7 +2,8 @@
 import pytest
 
 from meshtron import Config
-from meshtron.config import ConfigError, parser, preset_training
+from meshtron.command_line import parser, preset_training
+from meshtron.config import SECTIONS, ConfigError
 from meshtron.distributed import choices
 from meshtron.distributed.data_parallel import DTYPES
 from meshtron.distributed.pipeline_parallel import SCHEDULES
@@ -42,7 +43,7 @@ def test_bad_config_files_name_the_problem(tmp_path, text, msg):
 
 
 def test_every_flag_has_help_and_shows_its_default():
-    for action in parser(models=PRESETS)._actions:
+    for action in parser(SECTIONS, models=PRESETS)._actions:
         if action.dest != "help":
             assert action.help, action.dest
             if action.dest not in ("config", "print_config"):
@@ -75,6 +76,6 @@ def test_the_torch_free_preset_index_agrees_with_the_registry():
     # issue 44: the recipe parses with meshtron.models.presets; tests and benchmarks pass the registry
     assert list(presets.TRAINING) == list(PRESETS)
     assert all(preset_training(presets.TRAINING, m) == preset_training(PRESETS, m) for m in PRESETS)
-    assert parser(models=presets.TRAINING).format_help() == parser(models=PRESETS).format_help()
+    assert parser(SECTIONS, models=presets.TRAINING).format_help() == parser(SECTIONS, models=PRESETS).format_help()
     assert Config.from_args(["--model", "llama-3B"], models=presets.TRAINING) == \
         Config.from_args(["--model", "llama-3B"], models=PRESETS)

@@ -338,8 +338,9 @@ PASSES_TO_TRAINER = ("benchmarks/bench_train.py", "benchmarks/bench_plan.py", "b
 def help_text(program: str) -> str:
     how = PROGRAMS[program]
     if how == "trainer":
-        from meshtron.config import parser
-        return parser().format_help()
+        from meshtron.command_line import parser
+        from meshtron.config import SECTIONS
+        return parser(SECTIONS).format_help()
     if how == "torchrun":
         from torch.distributed.run import get_args_parser
         return get_args_parser().format_help()

@@ -170,8 +170,9 @@ def test_what_converts_and_what_stays_high_precision():
 
 def test_refused_combinations_fail_before_anything_runs():
     from meshtron import Config
-    from meshtron.config import ConfigError, parser
-    assert "the output head, MoE routers and experts" in " ".join(parser().format_help().split())
+    from meshtron.command_line import parser
+    from meshtron.config import SECTIONS, ConfigError
+    assert "the output head, MoE routers and experts" in " ".join(parser(SECTIONS).format_help().split())
     with pytest.raises(ConfigError, match="--async-tp"):
         Config.from_args(["--tp", "2", "--sp", "--async-tp", "--fp8", "tensorwise"]).validate(2)
 
