@@ -161,6 +161,34 @@ def test_the_write_runs_in_a_writer_process_that_gets_the_copy_by_handle(pools, 
     checkpoint.validate(str(tmp_path / "step-00000006"))
 
 
+def _a_failed_prepare(rank, world, argv):
+    """Train with async saves where rank 1 fails to make the host copy beside the steps:
+    the threads that made a copy on this rank, and the losses."""
+    from meshtron.train import host_copy
+    made, real = [], host_copy.allocate
+
+    def flaky(state, pin):
+        made.append(threading.current_thread().name)
+        if rank == 1 and len(made) == 1:
+            raise OSError("cannot pin")
+        return real(state, pin)
+
+    host_copy.allocate = flaky
+    try:
+        return made, train(rank, world, argv)
+    finally:
+        host_copy.allocate = real
+
+
+def test_a_host_copy_not_made_beside_the_steps_is_made_by_the_first_save(pools, tmp_path):
+    # raising on the one rank would leave the other in the save's collectives
+    argv = COMMON + LAYOUTS["dp2-zero3"][1] + ["--checkpoint-dir", str(tmp_path), "--checkpoint-interval", "3", *ASYNC]
+    (made0, losses0), (made1, losses1) = pools.run(2, _a_failed_prepare, argv, timeout=300)
+    assert made0 == ["meshtron-host-copy"] and made1 == ["meshtron-host-copy", "MainThread"], (made0, made1)
+    assert losses0 == losses1 and len(losses0) == 6
+    checkpoint.validate(str(tmp_path / "step-00000006"))
+
+
 def _a_failed_write(rank, world, blocked):
     """A write into a path the writer cannot make: what wait() would raise, and whether
     close stops the writer."""

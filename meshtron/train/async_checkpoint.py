@@ -118,7 +118,7 @@ class BackgroundSaver:
         self.writer_pid = self._writer.pid
         self._host: dict | None = None        # the host copy, reused by every save
         self._preparing: threading.Thread | None = None   # making the host copy (prepare)
-        self._prepare_error: BaseException | None = None
+        self._shm_checked = False             # /dev/shm checked for the copy (once, on every rank)
         self._indices: dict[int, int] | None = None   # id -> index of its tensors, once the writer holds them
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -143,7 +143,7 @@ class BackgroundSaver:
         self._prepared()
         checkpoint._stored(record.get("config"))     # before any collective: a bad config fails alone
         state = checkpoint.saved_state(parts, optimizer, scheduler, loader, step, names)
-        if self._host is None:
+        if not self._shm_checked:   # a collective: by whether prepare ran, the same on every rank
             self._check_shared_memory(state)
         final, _ = checkpoint.begin_save(root, step)
         staged, copied = self._stage(state)
@@ -171,20 +171,18 @@ class BackgroundSaver:
                 if cuda:   # this thread's CUDA calls go to the training device, not to device 0
                     torch.cuda.set_device(cuda[0])
                 self._host = host_copy.allocate(state, pin=bool(cuda))
-            except BaseException as e:  # noqa: BLE001 - raised by the next save
-                self._prepare_error = e
+            except Exception:  # noqa: BLE001 - the first save makes the copy itself and says what fails, as before
+                self._host = None
 
         self._preparing = threading.Thread(target=make, name="meshtron-host-copy", daemon=True)
         self._preparing.start()
 
     def _prepared(self) -> None:
-        """Wait for `prepare`'s thread, and raise what it raised."""
+        """Wait for `prepare`'s thread (a rank raising here alone would leave the others
+        in the save's collectives: a copy it failed to make is made by the save, as
+        without `prepare`)."""
         if self._preparing is not None:
             self._preparing.join()
-        error, self._prepare_error = self._prepare_error, None
-        if error is not None:
-            raise checkpoint.CheckpointError(f"making the host copy for --checkpoint-async failed: "
-                                             f"{type(error).__name__}: {first_line(error)}") from error
 
     def wait(self) -> str | None:
         """Block until the save in flight is on disk; returns its path (None when no
@@ -272,6 +270,7 @@ class BackgroundSaver:
                 "a Kubernetes memory-backed emptyDir on /dev/shm) or save without --checkpoint-async")
             error.all_ranks = True   # every rank refuses at the same point
             raise error
+        self._shm_checked = True
 
     def _stage(self, state: dict) -> tuple[dict, torch.cuda.Event | None]:
         """A host copy of `state` (tensors copied into the cached buffers, everything else
