@@ -11,16 +11,37 @@ one-line error; no worker can shorten that. Here the first failure is one line
 code is the worker's. torchrun also prints a 4-line banner when it sets
 OMP_NUM_THREADS=1 for you (more than one process per node, the variable unset);
 this sets the same value in the same case, silently.
+
+Workers start faster. torchrun starts each rank as a new interpreter, which
+imports torch and the trainer again: seconds of CPU per rank, all ranks at once.
+Here, with one thread per process (OMP_NUM_THREADS=1, the default above), a
+forkserver imports them once and forks every rank, which runs the script as
+`python -u SCRIPT ARGS` would (`__main__`, sys.argv, sys.path[0], unbuffered
+output). The server starts no thread and touches no GPU, so a forked rank
+initialises CUDA as a fresh process does. It dies with the agent, and each
+rank's `die_with_agent` follows it. `-m`, `--no-python` and `--run-path` jobs,
+and jobs with more OpenMP threads (a forked OpenMP pool can deadlock), start as
+under torchrun.
 """
 from __future__ import annotations
 
+import atexit
+import io
 import logging
 import os
+import runpy
+import signal
 import sys
+import traceback
+
+# imported once in the forkserver, before any rank is forked from it
+PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.tensor.parallel", "torch.distributed.pipelining",
+           "meshtron.train.trainer"]
 
 
-def failure_line(error) -> str:
-    """One line for a torchrun ChildFailedError: its first failure, and how many ranks failed on their own."""
+def failure_line(error, name: str | None = None) -> str:
+    """One line for a torchrun ChildFailedError: its first failure, and how many ranks failed on their own
+    (`name` for the job's, where its workers ran a function rather than a script)."""
     rank, failure = error.get_first_failure()
     message = failure.message
     if isinstance(message, dict):   # what lifetime.one_line_errors writes: {"message": ..., "extraInfo": ...}
@@ -30,7 +51,66 @@ def failure_line(error) -> str:
     # ranks the agent stopped after the first failure show as signals (SIGTERM): not failures of their own
     others = sum(f.exitcode > 0 for r, f in error.failures.items() if r != rank)
     also = f" ({others} other rank{'s' if others > 1 else ''} failed too)" if others else ""
-    return f"meshtron-run: {error.name} failed on rank {rank} (exit code {failure.exitcode}): {message}{also}"
+    return f"meshtron-run: {name or error.name} failed on rank {rank} (exit code {failure.exitcode}): {message}{also}"
+
+
+def run_script(path: str, *argv: str) -> None:
+    """A rank, forked from the preloaded server: `path` runs in a child of this process,
+    whose end is this one's. The agent's function protocol needs a worker that returns,
+    and a script may end in os._exit (the recipe's does, past a gloo group's teardown):
+    only a process of its own can end so."""
+    from multiprocessing import forkserver
+
+    from meshtron.train.lifetime import _set_pdeathsig
+    # The server ends when the agent does (its end of a pipe closes), and this process with
+    # the server; but every process it forks inherits a copy of the agent's end, which
+    # would keep the server alive as long as its ranks
+    server = forkserver._forkserver
+    if getattr(server, "_forkserver_alive_fd", None) is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+    _set_pdeathsig(signal.SIGKILL)
+    pid = os.fork()
+    if pid == 0:
+        _set_pdeathsig(signal.SIGKILL)
+        os._exit(_run_as_main(path, argv))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # a terminal's ^C reaches the script itself
+    for sig in (signal.SIGTERM, signal.SIGHUP):    # the agent's stop
+        signal.signal(sig, lambda s, _: os.kill(pid, s))
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    if code < 0:                                   # ended by a signal: end by the same one
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    if code:
+        os._exit(code)
+
+
+def _run_as_main(path: str, argv: tuple[str, ...]) -> int:
+    """`python -u path argv`'s run of the script, and its exit code."""
+    for name, fd in (("stdout", 1), ("stderr", 2)):   # -u: each write reaches the pipe at once
+        setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), write_through=True,
+                                            errors="backslashreplace" if fd == 2 else None))
+    sys.argv = [path, *argv]
+    sys.path[0] = os.path.dirname(os.path.abspath(path))
+    try:
+        runpy.run_path(path, run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code if e.code is None or isinstance(e.code, int) else (print(e.code, file=sys.stderr) or 1)
+    except BaseException as e:
+        tb = e.__traceback__   # from the script's frame on, as python prints it
+        while tb is not None and tb.tb_frame.f_code.co_filename != path:
+            tb = tb.tb_next
+        traceback.print_exception(type(e), e, tb or e.__traceback__)
+        code = 1
+    atexit._run_exitfuncs()   # what an interpreter's exit runs first (logging's flush among them)
+    return code or 0
+
+
+def forks_ranks(args) -> bool:
+    """Whether the ranks are forked from a preloaded server (see the module's doc)."""
+    script = not (args.module or args.no_python or args.run_path)
+    return script and os.environ.get("OMP_NUM_THREADS") == "1" and sys.platform == "linux"
 
 
 def main(argv=None) -> None:
@@ -40,11 +120,18 @@ def main(argv=None) -> None:
     if torchrun.determine_local_world_size(args.nproc_per_node) > 1:   # where torchrun would, and no more
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     # the agent logs each failed worker with its pid and binary; the line below says it once
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    for logger in ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn"):
+        logging.getLogger(logger).setLevel(logging.CRITICAL)
+    if forks_ranks(args):
+        import multiprocessing
+        multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+        # torchrun's --run-path (runpy in a worker started by start_method), with this module's runner
+        args.run_path, args.start_method = True, "forkserver"
+        torchrun.run_script_path = run_script
     try:
         torchrun.run(args)
     except ChildFailedError as e:
-        print(failure_line(e), file=sys.stderr, flush=True)
+        print(failure_line(e, args.training_script), file=sys.stderr, flush=True)
         code = e.get_first_failure()[1].exitcode
         sys.exit(code if code > 0 else 1)
 

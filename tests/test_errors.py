@@ -237,15 +237,3 @@ def test_metrics_file_has_one_json_line_per_logged_step_and_appends_on_resume(po
                 "peak_mem_gib", "step_time_s"} <= set(r), r
         assert "mfu" not in r            # no GPU here: no peak to divide by
 
-
-def test_the_launcher_sets_omp_num_threads_where_torchrun_does(tmp_path):
-    # meshtron-run "runs a job exactly as under torchrun": OMP_NUM_THREADS=1 at several processes per node only
-    script = tmp_path / "threads.py"
-    # one write(2) per rank: ranks printing into one pipe at once may interleave the pieces of a print()
-    script.write_text("import os\nos.write(1, f\"threads {os.environ.get('OMP_NUM_THREADS', 'unset')}\\n\".encode())\n")
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    for nproc, want in (("1", ["unset"]), ("2", ["1", "1"])):
-        out = subprocess.run([sys.executable, "-m", "meshtron.launch", "--nproc-per-node", nproc, str(script)],
-                             env=env, capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-3000:]
-        assert sorted(line.split()[1] for line in out.stdout.splitlines() if line.startswith("threads")) == want, out

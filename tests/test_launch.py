@@ -1,0 +1,120 @@
+"""meshtron-run (meshtron/launch.py): torchrun's agent and flags; ranks forked from a
+server that imported torch and the trainer once, each running its script as
+`python -u SCRIPT ARGS` does; a failed job's end in one line."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+# A rank's report: whether torch was imported before the script ran (a forked rank),
+# and what python gives a script. One write(2) per line: ranks share the pipe.
+SCRIPT = """import os, sys, time
+preloaded = "torch" in sys.modules
+import sibling
+rank = int(os.environ["RANK"])
+os.write(1, f"rank {rank} {__name__} {sys.argv[1:]} {sibling.VALUE} {preloaded} {os.path.basename(__file__)} "
+         f"{os.environ.get('OMP_NUM_THREADS', 'unset')}\\n".encode())
+mode = sys.argv[1]
+if mode == "ok":
+    import atexit
+    atexit.register(lambda: open(os.path.join(os.path.dirname(__file__), f"atexit{rank}"), "w").close())
+    if rank == 0:          # printed unbuffered, then the recipe's own ending: no teardown, no atexit
+        print("before os._exit", rank)
+        os._exit(0)
+elif mode == "raise" and rank == 1:
+    raise RuntimeError("rank 1 failed")
+elif mode in ("raise", "sleep"):
+    open(os.path.join(os.path.dirname(__file__), f"pid{rank}"), "w").write(str(os.getpid()))
+    time.sleep(600)
+"""
+
+
+def _env(**extra) -> dict:
+    drop = {"MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "OMP_NUM_THREADS"}
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("TORCHELASTIC_")}
+    return env | extra
+
+
+def _script(tmp_path) -> str:
+    (tmp_path / "sibling.py").write_text("VALUE = 7\n")
+    (tmp_path / "job.py").write_text(SCRIPT)
+    return str(tmp_path / "job.py")
+
+
+def _launch(script, mode, nproc="2"):
+    return [sys.executable, "-m", "meshtron.launch", "--nproc-per-node", nproc, script, mode]
+
+
+def test_forked_ranks_run_their_script_as_python_does(tmp_path):
+    # two ranks, OMP_NUM_THREADS unset: the launcher sets it to 1 (as torchrun does) and forks
+    # them; one rank ends in os._exit(0), the other returns and runs its atexit hooks
+    script = _script(tmp_path)
+    out = subprocess.run(_launch(script, "ok"), env=_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    reports = sorted(line for line in out.stdout.splitlines() if line.startswith("rank"))
+    assert reports == [f"rank {r} __main__ ['ok'] 7 True job.py 1" for r in (0, 1)], out.stdout
+    assert "before os._exit 0" in out.stdout
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("atexit")) == ["atexit1"]
+
+
+def test_one_process_and_more_omp_threads_start_a_fresh_interpreter(tmp_path):
+    # as torchrun starts every rank, and OMP_NUM_THREADS as torchrun leaves it: one process
+    # (unset), or threads of the user's (where a forked OpenMP pool could deadlock)
+    script = _script(tmp_path)
+    for nproc, env, threads in (("1", _env(), "unset"), ("2", _env(OMP_NUM_THREADS="2"), "2")):
+        out = subprocess.run(_launch(script, "ok", nproc), env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        reports = sorted(line for line in out.stdout.splitlines() if line.startswith("rank"))
+        assert reports == [f"rank {r} __main__ ['ok'] 7 False job.py {threads}" for r in range(int(nproc))], out
+
+
+def test_a_forked_rank_that_raises_fails_the_job_in_one_line(tmp_path):
+    script = _script(tmp_path)
+    out = subprocess.run(_launch(script, "raise"), env=_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1
+    err = out.stderr.splitlines()
+    # python's traceback, from the script's own frame: nothing of the launcher's
+    start = err.index("Traceback (most recent call last):")
+    assert err[start + 1].startswith(f'  File "{script}", line ') and "RuntimeError: rank 1 failed" in err
+    assert err[-1] == f"meshtron-run: {script} failed on rank 1 (exit code 1): see its output above", err
+    assert not [line for line in err if "launch.py" in line or "Terminating process" in line], err
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="ranks are forked on Linux only")
+def test_forked_ranks_end_with_a_killed_agent(tmp_path):
+    # SIGKILL the agent alone: its server sees the agent gone and ends, and each rank
+    # follows its parent (prctl): nothing is left training
+    script = _script(tmp_path)
+    agent = subprocess.Popen(_launch(script, "sleep"), env=_env(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    pids = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(pids) < 2:
+            assert agent.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.05)
+            pids = [int(p.read_text()) for p in tmp_path.glob("pid*") if p.read_text()]
+        agent.send_signal(signal.SIGKILL)
+        agent.wait()
+        deadline = time.monotonic() + 30
+        while any(map(_alive, pids)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(map(_alive, pids)), "ranks outlived their agent"
+    finally:
+        agent.kill()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except FileNotFoundError:
+        return False
