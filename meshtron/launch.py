@@ -59,7 +59,8 @@ def run_script(path: str, *argv: str) -> None:
     whose end is this one's. The agent's function protocol needs a worker that returns,
     and a script may end in os._exit (the recipe's does, past a gloo group's teardown):
     only a process of its own can end so."""
-    from multiprocessing import forkserver
+    import multiprocessing
+    from multiprocessing import forkserver, resource_tracker
 
     from meshtron.train.lifetime import _set_pdeathsig
     # The server ends when the agent does (its end of a pipe closes), and this process with
@@ -73,6 +74,13 @@ def run_script(path: str, *argv: str) -> None:
     pid = os.fork()
     if pid == 0:
         _set_pdeathsig(signal.SIGKILL)
+        # multiprocessing as a fresh interpreter has it: the platform's start method (not
+        # the server's, whose locks are named and tracked), a resource tracker of its own
+        multiprocessing.set_start_method(None, force=True)
+        tracker = resource_tracker._resource_tracker
+        if getattr(tracker, "_fd", None) is not None:
+            os.close(tracker._fd)
+            tracker._fd, tracker._pid = None, None
         os._exit(_run_as_main(path, argv))
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a terminal's ^C reaches the script itself
     for sig in (signal.SIGTERM, signal.SIGHUP):    # the agent's stop

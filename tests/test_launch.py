@@ -11,14 +11,15 @@ import pytest
 
 # A rank's report: whether torch was imported before the script ran (a forked rank),
 # and what python gives a script. One write(2) per line: ranks share the pipe.
-SCRIPT = """import os, sys, time
+SCRIPT = """import multiprocessing, os, sys, time
 preloaded = "torch" in sys.modules
 import sibling
 rank = int(os.environ["RANK"])
 os.write(1, f"rank {rank} {__name__} {sys.argv[1:]} {sibling.VALUE} {preloaded} {os.path.basename(__file__)} "
-         f"{os.environ.get('OMP_NUM_THREADS', 'unset')}\\n".encode())
+         f"{os.environ.get('OMP_NUM_THREADS', 'unset')} {multiprocessing.get_start_method()}\\n".encode())
 mode = sys.argv[1]
 if mode == "ok":
+    lock = multiprocessing.Lock()   # left to the process's end, as a library's lock is
     import atexit
     atexit.register(lambda: open(os.path.join(os.path.dirname(__file__), f"atexit{rank}"), "w").close())
     if rank == 0:          # printed unbuffered, then the recipe's own ending: no teardown, no atexit
@@ -44,6 +45,12 @@ def _script(tmp_path) -> str:
     return str(tmp_path / "job.py")
 
 
+def _start_method() -> str:
+    """multiprocessing's default start method in a fresh interpreter."""
+    return subprocess.run([sys.executable, "-c", "import multiprocessing; print(multiprocessing.get_start_method())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
 def _launch(script, mode, nproc="2"):
     return [sys.executable, "-m", "meshtron.launch", "--nproc-per-node", nproc, script, mode]
 
@@ -55,8 +62,9 @@ def test_forked_ranks_run_their_script_as_python_does(tmp_path):
     out = subprocess.run(_launch(script, "ok"), env=_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     reports = sorted(line for line in out.stdout.splitlines() if line.startswith("rank"))
-    assert reports == [f"rank {r} __main__ ['ok'] 7 True job.py 1" for r in (0, 1)], out.stdout
+    assert reports == [f"rank {r} __main__ ['ok'] 7 True job.py 1 {_start_method()}" for r in (0, 1)], out.stdout
     assert "before os._exit 0" in out.stdout
+    assert "leaked" not in out.stderr, out.stderr   # no resource tracker of the agent's warns of rank 0's lock
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("atexit")) == ["atexit1"]
 
 
@@ -68,7 +76,8 @@ def test_one_process_and_more_omp_threads_start_a_fresh_interpreter(tmp_path):
         out = subprocess.run(_launch(script, "ok", nproc), env=env, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
         reports = sorted(line for line in out.stdout.splitlines() if line.startswith("rank"))
-        assert reports == [f"rank {r} __main__ ['ok'] 7 False job.py {threads}" for r in range(int(nproc))], out
+        want = [f"rank {r} __main__ ['ok'] 7 False job.py {threads} {_start_method()}" for r in range(int(nproc))]
+        assert reports == want, out
 
 
 def test_a_forked_rank_that_raises_fails_the_job_in_one_line(tmp_path):
