@@ -135,10 +135,11 @@ def test_bad_checkpoints_fail_clearly_and_nothing_is_overwritten(pools, tmp_path
         checkpoint.save(str(tmp_path), 3, [model], torch.optim.AdamW(model.parameters()))
 
 
-def test_fault_recovery_under_torchrun_max_restarts(pools, tmp_path):
-    """Rank 1 dies at step 5; torchrun restarts the job, which resumes from step 4."""
+def test_fault_recovery_under_max_restarts(pools, tmp_path):
+    """Rank 1 dies at step 5; the agent (meshtron-run's, torchrun's) restarts the job, whose ranks
+    are forked again from the same server and resume from step 4."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MESHTRON_CRASH_AT_STEP="5")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
+    cmd = [sys.executable, "-m", "meshtron.launch", "--nproc-per-node", "2", "--max-restarts", "1",
            "--standalone",
            os.path.join(ROOT, "recipes", "train.py")] + COMMON + LAYOUTS["dp2-zero3"][1] + [
            "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-interval", "2", "--resume", "auto",

@@ -13,7 +13,7 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 
 def _recipe(*argv, ranks: int | None = None, timeout: int = 300):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)] if ranks else \
+    launcher = [sys.executable, "-m", "meshtron.launch", "--nproc-per-node", str(ranks)] if ranks else \
         [sys.executable]
     return subprocess.run([*launcher, "recipes/train.py", *argv], capture_output=True, text=True, cwd=ROOT,
                           env=ENV, timeout=timeout)

@@ -1,4 +1,4 @@
-"""Several machines: two torchrun processes ("nodes") of two ranks each meet at
+"""Several machines: two launcher processes ("nodes": torchrun, then meshtron-run) of two ranks each meet at
 one rendezvous endpoint, as docs/parallelism.md's multi-node commands do; tp stays inside
 a node and HSDP puts its replicas across nodes. Losses equal one process's."""
 import json
@@ -21,10 +21,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def two_nodes(flags, metrics):
+def two_nodes(flags, metrics, launcher):
     port = free_port()
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend",
+        [sys.executable, "-m", launcher, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend",
          "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "meshtron-test", "--node-rank", str(node),
          os.path.join(ROOT, "recipes", "train.py")] + ARGS + flags + (["--metrics-file", metrics] if node == 0 else []),
         env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -34,10 +34,13 @@ def two_nodes(flags, metrics):
     return [r["loss"] for r in map(json.loads, open(metrics)) if "loss" in r]
 
 
-@pytest.mark.parametrize("flags", [["--dp", "2", "--tp", "2", "--sp", "--zero", "3", "--micro-batch", "4"],
-                                   ["--dp", "4", "--hsdp", "2", "--zero", "3", "--micro-batch", "2"]],
+# each launcher once: torchrun's workers start as new interpreters, meshtron-run's are forked
+@pytest.mark.parametrize("flags,launcher",
+                         [(["--dp", "2", "--tp", "2", "--sp", "--zero", "3", "--micro-batch", "4"],
+                           "torch.distributed.run"),
+                          (["--dp", "4", "--hsdp", "2", "--zero", "3", "--micro-batch", "2"], "meshtron.launch")],
                          ids=["dp2-across-nodes-x-tp2-inside", "hsdp-replicas-across-nodes"])
-def test_two_nodes_meet_at_one_rendezvous(pools, tmp_path, flags):
-    losses = two_nodes(flags, str(tmp_path / "m.jsonl"))
+def test_two_nodes_meet_at_one_rendezvous(pools, tmp_path, flags, launcher):
+    losses = two_nodes(flags, str(tmp_path / "m.jsonl"), launcher)
     one = pools.run(1, train, ARGS + ["--micro-batch", "8"])[0]
     assert losses == pytest.approx(one, rel=1e-5)
