@@ -22,6 +22,7 @@ first stage (GPipe keeps all m), which a test measures.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 from dataclasses import dataclass, field
 
@@ -90,6 +91,11 @@ def check_pipeline(schedule: str, pp: int, virtual: int, microbatches: int, n_bl
 def split_layers(n_layers: int, n_stages: int, embed_cost: float = 1.0, head_cost: float = 1.0) -> list[list[int]]:
     """Contiguous layer ranges per stage, balancing cost where the embedding and
     the head (with the loss) weigh like `embed_cost` / `head_cost` layers."""
+    return [list(ids) for ids in _split_layers(n_layers, n_stages, embed_cost, head_cost)]
+
+
+@functools.lru_cache(maxsize=1024)   # the planner asks for the same few splits for thousands of layouts
+def _split_layers(n_layers: int, n_stages: int, embed_cost: float, head_cost: float) -> tuple[range, ...]:
     if n_layers < n_stages:
         raise ValueError(f"{n_layers} layers cannot be split into {n_stages} stages")
     total = embed_cost + n_layers + head_cost
@@ -104,7 +110,7 @@ def split_layers(n_layers: int, n_stages: int, embed_cost: float = 1.0, head_cos
         counts[counts.index(0)] += 1
         counts[counts.index(max(counts))] -= 1
     bounds = [sum(counts[:s]) for s in range(n_stages + 1)]
-    return [list(range(bounds[s], bounds[s + 1])) for s in range(n_stages)]
+    return tuple(range(bounds[s], bounds[s + 1]) for s in range(n_stages))
 
 
 def stage_ids_of(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
