@@ -146,7 +146,8 @@ SUITES = {
             mt("tp4 + SP", 4, "tp4_compile", l1b(16), "torchtitan tp4"),
             tt("torchtitan tp2 x fsdp2", 4, "llama1b_tp2fsdp2_compile", **TT16),
             mt("dp2 x tp2 + SP", 4, "tp2dp2_compile", l1b(32), "torchtitan tp2 x fsdp2")],
-    # data parallel on four GPUs: llama-1B ZeRO-1 (16 x 2048 a rank), llama-8B ZeRO-3 (2 x 2048 a rank), compiled
+    # data parallel on four GPUs: llama-1B ZeRO-1 (16 x 2048 a rank), llama-8B ZeRO-3 (2 and 4 x 2048 a rank),
+    # compiled
     "fsdp4": [tt("torchtitan fsdp4", 4, "llama1b_fsdp4_compile", **TT16),
               mt("dp4 ZeRO-1", 4, "fsdp4_compile", l1b(64), "torchtitan fsdp4"),
               tt("torchtitan llama-8B fsdp4", 4, "llama8b_fsdp4_compile", **tt_batch(2)),
@@ -156,7 +157,12 @@ SUITES = {
               # weights kept gathered from forward to backward (one all-gather a step): 12.5 GiB more a rank
               mt("llama-8B dp4 ZeRO-2", 4, "fsdp4_zero2_compile",
                  ["--model", "llama-8B", "--seq-len", "2048", "--micro-batch", "2", "--global-batch", "8"],
-                 "torchtitan llama-8B fsdp4")],
+                 "torchtitan llama-8B fsdp4"),
+              # twice the tokens a rank: the same gradient and weight traffic under twice the matmuls
+              tt("torchtitan llama-8B fsdp4, local batch 4", 4, "llama8b_fsdp4_compile", **tt_batch(4)),
+              mt("llama-8B dp4 ZeRO-3, micro-batch 4", 4, "fsdp4_zero3_compile",
+                 ["--model", "llama-8B", "--seq-len", "2048", "--micro-batch", "4", "--global-batch", "16"],
+                 "torchtitan llama-8B fsdp4, local batch 4")],
     # the planner's first choice for llama-1B at global batch 64 on four GPUs against the fastest layout measured
     # before it (docs/planner.md)
     "planner-choice": [mt("dp4 ZeRO-1, micro-batch 4 (the planner's first choice)", 4, "fsdp4_compile",

@@ -526,7 +526,9 @@ def test_a_job_killed_while_a_save_is_written_resumes_from_the_previous_one_exac
     finally:
         agent.kill()
     assert checkpoint.latest_good(str(ck)) == (str(ck / "step-00000003"), [])
-    out = subprocess.run(torchrun + args + ["--resume", "auto"], env=_env() | {"MESHTRON_EXIT_AFTER": "6"},
+    # resumed under meshtron-run, which takes torchrun's flags and forks its ranks
+    resume = [sys.executable, "-m", "meshtron.launch", *torchrun[3:]]
+    out = subprocess.run(resume + args + ["--resume", "auto"], env=_env() | {"MESHTRON_EXIT_AFTER": "6"},
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"resumed from {ck}/step-00000003 at step 3" in out.stdout

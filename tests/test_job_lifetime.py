@@ -109,7 +109,9 @@ def test_workers_die_with_a_killed_agent_and_the_job_resumes_exactly(pools, tmp_
     for path in saved:                         # whatever the kill interrupted, every step-N is whole
         checkpoint.validate(path)
 
-    out = subprocess.run(torchrun + args + ["--resume", "auto"], env=_env() | {"MESHTRON_EXIT_AFTER": "6"},
+    # resumed under meshtron-run, which takes torchrun's flags and forks its ranks
+    resume = [sys.executable, "-m", "meshtron.launch", *torchrun[3:]]
+    out = subprocess.run(resume + args + ["--resume", "auto"], env=_env() | {"MESHTRON_EXIT_AFTER": "6"},
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"resumed from {saved[-1]}" in out.stdout
