@@ -15,6 +15,7 @@ dist.init_process_group("nccl")
 x = torch.ones(64 << 20, device="cuda")   # 256 MiB: a segment of its own
 dist.all_reduce(x)
 segments = torch.cuda.memory._snapshot()["segments"]
-print(f"rank {rank} preloaded={preloaded} device={torch.cuda.get_device_name()} sum_ok={x[0].item() == dist.get_world_size()} "
+ok = x[0].item() == dist.get_world_size()
+print(f"rank {rank} preloaded={preloaded} device={torch.cuda.get_device_name()} sum_ok={ok} "
       f"expandable={sorted({s.get('is_expandable') for s in segments})}", flush=True)
 dist.destroy_process_group()
