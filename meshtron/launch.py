@@ -26,6 +26,7 @@ under torchrun.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import io
 import logging
 import os
@@ -62,7 +63,7 @@ def run_script(path: str, *argv: str) -> None:
     import multiprocessing
     from multiprocessing import forkserver, resource_tracker
 
-    from meshtron.train.lifetime import _set_pdeathsig
+    from meshtron.train.lifetime import die_with_parent
     # The server ends when the agent does (its end of a pipe closes), and this process with
     # the server; but every process it forks inherits a copy of the agent's end, which
     # would keep the server alive as long as its ranks
@@ -70,10 +71,10 @@ def run_script(path: str, *argv: str) -> None:
     if getattr(server, "_forkserver_alive_fd", None) is not None:
         os.close(server._forkserver_alive_fd)
         server._forkserver_alive_fd = None
-    _set_pdeathsig(signal.SIGKILL)
+    die_with_parent("meshtron-run's fork server")
     pid = os.fork()
     if pid == 0:
-        _set_pdeathsig(signal.SIGKILL)
+        die_with_parent("this rank's process in meshtron-run")
         # multiprocessing as a fresh interpreter has it: the platform's start method (not
         # the server's, whose locks are named and tracked), a resource tracker of its own
         multiprocessing.set_start_method(None, force=True)
@@ -87,7 +88,8 @@ def run_script(path: str, *argv: str) -> None:
         signal.signal(sig, lambda s, _: os.kill(pid, s))
     code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     if code < 0:                                   # ended by a signal: end by the same one
-        signal.signal(-code, signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):   # SIGKILL's action is the default already
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     if code:
         os._exit(code)
