@@ -12,14 +12,14 @@ code is the worker's. torchrun also prints a 4-line banner when it sets
 OMP_NUM_THREADS=1 for you (more than one process per node, the variable unset);
 this sets the same value in the same case, silently.
 
-Workers start faster. torchrun starts each rank as a new interpreter, which
+Workers cost less to start. torchrun starts each rank as a new interpreter, which
 imports torch and the trainer again: seconds of CPU per rank, all ranks at once.
 Here, with one thread per process (OMP_NUM_THREADS=1, the default above), a
 forkserver imports them once and forks every rank, which runs the script as
 `python -u SCRIPT ARGS` would (`__main__`, sys.argv, sys.path[0], unbuffered
 output). The server starts no thread and touches no GPU, so a forked rank
 initialises CUDA as a fresh process does. It dies with the agent, and each
-rank's `die_with_agent` follows it. `-m`, `--no-python` and `--run-path` jobs,
+rank's two processes (run_script's) follow it. `-m`, `--no-python` and `--run-path` jobs,
 and jobs with more OpenMP threads (a forked OpenMP pool can deadlock), start as
 under torchrun.
 """

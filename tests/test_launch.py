@@ -8,6 +8,8 @@ import sys
 import time
 
 import pytest
+from test_job_lifetime import _alive
+from test_job_lifetime import _env as lifetime_env
 
 # A rank's report: whether torch was imported before the script ran (a forked rank),
 # and what python gives a script. One write(2) per line: ranks share the pipe.
@@ -34,8 +36,8 @@ elif mode in ("raise", "sleep"):
 
 
 def _env(**extra) -> dict:
-    drop = {"MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "OMP_NUM_THREADS"}
-    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("TORCHELASTIC_")}
+    """A plain launch's environment (test_job_lifetime's), OMP_NUM_THREADS left to the launcher or `extra`."""
+    env = {k: v for k, v in lifetime_env().items() if k != "OMP_NUM_THREADS"}
     return env | extra
 
 
@@ -120,10 +122,3 @@ def test_forked_ranks_end_with_a_killed_agent(tmp_path):
             except ProcessLookupError:
                 pass
 
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
-    except FileNotFoundError:
-        return False
