@@ -205,12 +205,22 @@ def _head_units():
     return [(llama, "apply_dp", split)]
 
 
+def _cudagraphs():
+    """Inductor's CUDA graphs (cudagraph trees) for each compiled block: its kernels and
+    collectives replayed from one graph launch instead of launched one by one from the
+    host (the host-bound small micro-batches of pp x tp and dp x tp)."""
+    from meshtron.models.llama import parallelize as llama
+    options = llama.compile_options
+    return [(llama, "compile_options", lambda config: {**(options(config) or {}), "triton.cudagraphs": True})]
+
+
 # per-layout options, `layout+option+...`: (module, name, value) patches for the build, undone after
 OPTIONS = {
     "whole": _compile_whole,
     "heads": _head_units,        # embedding and head FSDP units of their own (torchtitan's)
     "expandable": _expandable,   # the allocator's expandable segments from this layout's build on
     "dtensor": _dtensor_tp,      # TP blocks on DTensors, the path local tensors replaced
+    "graphs": _cudagraphs,       # CUDA graphs of the compiled blocks (each step opens a new graph generation)
     "cudnn": lambda: [], "flash": lambda: [],   # the SDPA backend tried first around each step
 }
 
@@ -251,6 +261,12 @@ def step_fn(trainer, args, opts):
         def step(x, y, inputs=None):
             with sdpa_kernel(order, set_priority=True):
                 return trainer.step(x, y, inputs)
+    if "graphs" in opts:   # a step's graph outputs may be overwritten from the next step on
+        graphed = step
+
+        def step(x, y, inputs=None):
+            torch.compiler.cudagraph_mark_step_begin()
+            return graphed(x, y, inputs)
     if args.sync_steps:   # the host waits for each step: a race that needs the CPU ahead shows as a changed loss
         unsynced = step
 
