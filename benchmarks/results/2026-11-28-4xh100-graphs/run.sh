@@ -8,7 +8,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
     PYTORCH_ALLOC_CONF=expandable_segments:True
 R=/tmp/graphs
 OUT=${OUT:-/tmp/graphsout}
-BUDGET=${BUDGET:-560}
+BUDGET=${BUDGET:-500}
 JOBS=${JOBS:-"pp2tp2_compile+graphs pp2tp2_compile tp2dp2_compile+graphs tp2dp2_compile"}
 mkdir -p $R $OUT
 T0=$(date +%s)
