@@ -23,11 +23,7 @@ its queries over the whole sequence, one of three ways (`--cp-comm`):
              blockwise: the keys before the chunk in full, its own causally.
   a2a        Ulysses: all-to-all from sequence-sharded to head-sharded q, k, v,
              causal attention over the whole sequence, all-to-all back; cp must
-             divide the KV heads. Causal (no document mask), it runs in groups of
-             heads (`Ulysses`): every group's q, k, v leave at once, and a group's
-             attention runs while the next group's arrive and the one before
-             goes back, forward and backward; only the first group's exchange in
-             and the last one's out wait on the links.
+             divide the KV heads.
 
 The blocks themselves, with their log-sum-exp and exact merge, and the one
 attention the a2a variant runs, are in block_attention.py.
@@ -40,14 +36,7 @@ import torch.nn as nn
 from torch.distributed._functional_collectives import all_gather_tensor_autograd, all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshtron.distributed.block_attention import (
-    BlockGrads,
-    BlockwiseAttention,
-    WholeBlocks,
-    attention,
-    block_backward,
-    block_forward,
-)
+from meshtron.distributed.block_attention import BlockGrads, BlockwiseAttention, WholeBlocks, attention
 
 VARIANTS = ("p2p", "allgather", "a2a")
 
@@ -172,17 +161,11 @@ def allgather_attention(q, k, v, group):
     return BlockwiseAttention.apply(q, whole(k), whole(v), prefix_steps(rank, cp, c), WholeBlocks())
 
 
-def a2a_attention(q, k, v, group, mask=None, groups=None):
+def a2a_attention(q, k, v, group, mask=None):
     """Ulysses: heads split over cp for the attention itself; `mask` (the whole
     sequence's, in sequence order: a boolean (B, 1, T, T) or a FlexAttention
-    BlockMask) where packed documents do not see each other. Causal, it runs
-    in `groups` groups of heads (default: as many as 4 at most that split each
-    rank's KV heads evenly) whose transfers overlap the other groups' attention."""
+    BlockMask) where packed documents do not see each other."""
     cp = dist.get_world_size(group)
-    if mask is None:
-        per_rank = k.shape[1] // cp
-        groups = groups or max(g for g in (1, 2, 3, 4) if per_rank % g == 0)
-        return _ulysses(q, k, v, group, groups)
     c = q.shape[2] // 2
     order = natural_order(cp)
     back = [order.index(i) for i in range(2 * cp)]
@@ -199,83 +182,6 @@ def a2a_attention(q, k, v, group, mask=None, groups=None):
     y = y.unflatten(2, (2 * cp, c))[:, :, back].unflatten(2, (cp, 2)).flatten(3, 4)   # (B, H/cp, cp, 2c, d)
     y = all_to_all_single_autograd(y.movedim(2, 0).contiguous(), None, None, group)   # (cp, B, H/cp, 2c, d)
     return y.movedim(0, 1).flatten(1, 2)                                     # (B, H, 2c, d)
-
-
-def _to_ranks(t: torch.Tensor, cp: int) -> torch.Tensor:
-    """(B, h, 2c, d) -> (cp, B, h/cp, 2c, d): head block i goes to cp rank i."""
-    return t.unflatten(1, (cp, t.shape[1] // cp)).movedim(1, 0)
-
-
-def _from_ranks(t: torch.Tensor, order: list[int]) -> torch.Tensor:
-    """Received (cp, B, h, 2c, d), a block from each rank -> (B, h, T, d) in sequence order."""
-    c = t.shape[3] // 2
-    t = t.movedim(0, 2).flatten(2, 3)
-    return t.unflatten(2, (len(order), c))[:, :, order].flatten(2, 3)
-
-
-def _back_to_ranks(t: torch.Tensor, cp: int, back: list[int]) -> torch.Tensor:
-    """(B, h, T, d) in sequence order -> (cp, B, h, 2c, d): rank i's two chunks go to rank i."""
-    c = t.shape[2] // (2 * cp)
-    return t.unflatten(2, (2 * cp, c))[:, :, back].unflatten(2, (cp, 2)).flatten(3, 4).movedim(2, 0)
-
-
-def _exchange(parts: list[torch.Tensor], group) -> tuple[torch.Tensor, object]:
-    """One all-to-all of the (cp, B, h_i, 2c, d) parts, stacked on their head dim, started."""
-    send = torch.cat(parts, dim=2).contiguous()
-    recv = torch.empty_like(send)
-    return recv, dist.all_to_all_single(recv, send, group=group, async_op=True)
-
-
-class _Ulysses(torch.autograd.Function):
-    """Causal attention of sequence-sharded q, k, v (B, heads, 2c, d) over the whole
-    sequence, heads over the cp group, in `groups` groups of heads. All groups'
-    exchanges start at once (NCCL runs them in order beside the compute stream); each
-    group's attention waits for its own; its output (gradients, backward) leaves at once."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, group, groups):
-        cp = dist.get_world_size(group)
-        order = natural_order(cp)
-        back = [order.index(i) for i in range(2 * cp)]
-        sizes = [t.shape[1] // groups // cp for t in (q, k, v)]
-        inbound = [_exchange([_to_ranks(t, cp) for t in parts], group)
-                   for parts in zip(*(t.chunk(groups, dim=1) for t in (q, k, v)))]
-        saved, outbound = [], []
-        for recv, work in inbound:
-            work.wait()
-            qh, kh, vh = (_from_ranks(t, order) for t in recv.split(sizes, dim=2))
-            o, lse = block_forward(qh, kh, vh, causal=True)
-            o = o.to(q.dtype)
-            saved += [qh, kh, vh, o, lse]
-            outbound.append(_exchange([_back_to_ranks(o, cp, back)], group))
-        ctx.save_for_backward(*saved)
-        ctx.group, ctx.groups, ctx.sizes, ctx.order, ctx.back = group, groups, sizes, order, back
-        return torch.cat([_wait(recv, work).movedim(0, 1).flatten(1, 2) for recv, work in outbound], dim=1)
-
-    @staticmethod
-    def backward(ctx, dout):
-        group, groups, sizes, order, back = ctx.group, ctx.groups, ctx.sizes, ctx.order, ctx.back
-        cp, saved = len(order) // 2, ctx.saved_tensors
-        inbound = [_exchange([_to_ranks(d, cp)], group) for d in dout.chunk(groups, dim=1)]
-        outbound = []
-        for g, (recv, work) in enumerate(inbound):
-            qh, kh, vh, o, lse = saved[5 * g: 5 * g + 5]
-            work.wait()
-            grads = block_backward(_from_ranks(recv, order), qh, kh, vh, o, lse, causal=True)
-            outbound.append(_exchange([_back_to_ranks(t.to(o.dtype), cp, back) for t in grads], group))
-        dq, dk, dv = zip(*(_wait(recv, work).split(sizes, dim=2) for recv, work in outbound))
-        whole = lambda parts: torch.cat([p.movedim(0, 1).flatten(1, 2) for p in parts], dim=1)  # noqa: E731
-        return whole(dq), whole(dk), whole(dv), None, None
-
-
-def _wait(recv: torch.Tensor, work) -> torch.Tensor:
-    work.wait()
-    return recv
-
-
-@torch.compiler.disable   # its collectives start and finish by hand: a graph break around it, not a trace
-def _ulysses(q, k, v, group, groups):
-    return _Ulysses.apply(q, k, v, group, groups)
 
 
 # ---- applying it to a model --------------------------------------------------------

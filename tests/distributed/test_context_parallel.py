@@ -72,7 +72,7 @@ def test_ignored_tokens_spread_unevenly_over_the_chunks(pools):
 
 # ---- the attention itself, in float64 -----------------------------------------------
 
-def _attention_f64(rank, world, variant, kv_heads, groups=None):
+def _attention_f64(rank, world, variant, kv_heads):
     g = torch.Generator().manual_seed(0)
     B, H, T, d = 2, 8, 8 * world, 8
     q = torch.randn(B, H, T, d, generator=g, dtype=torch.float64)
@@ -89,7 +89,7 @@ def _attention_f64(rank, world, variant, kv_heads, groups=None):
     group = me["cp"].get_group()
     out = {"p2p": lambda: cpm.ring_attention(qs, ks, vs, group),
            "allgather": lambda: cpm.allgather_attention(qs, ks, vs, group),
-           "a2a": lambda: cpm.a2a_attention(qs, ks, vs, group, groups=groups)}[variant]()
+           "a2a": lambda: cpm.a2a_attention(qs, ks, vs, group)}[variant]()
     out.backward(dout[:, :, idx])
     err = {"out": (out - ref[:, :, idx]).abs().max(), "dq": (qs.grad - ql.grad[:, :, idx]).abs().max(),
            "dk": (ks.grad - kl.grad[:, :, idx]).abs().max(), "dv": (vs.grad - vl.grad[:, :, idx]).abs().max()}
@@ -106,44 +106,6 @@ def test_float64_attention_matches_one_process_to_1e12(pools, variant):
     for world in (2, 4):
         for errs in pools.run(world, _attention_f64, variant, 4):   # grouped-query: 8 heads, 4 KV heads
             assert max(errs.values()) < 1e-12, (variant, world, errs)
-
-
-def test_ulysses_in_any_number_of_head_groups_matches_one_process_to_1e12(pools):
-    for world, groups in ((2, 1), (2, 2), (2, 4), (4, 2)):   # 8 KV heads: 4 a rank at cp=2, 2 at cp=4
-        for errs in pools.run(world, _attention_f64, "a2a", 8, groups):
-            assert max(errs.values()) < 1e-12, (world, groups, errs)
-
-
-def _ulysses_order(rank, world):
-    """The order in which the grouped all-to-all attention starts its exchanges and runs
-    its groups' attention, forward and backward."""
-    events, real = [], (cpm.dist.all_to_all_single, cpm.block_forward, cpm.block_backward)
-
-    def exchange(*args, **kwargs):
-        events.append("a2a")
-        return real[0](*args, **kwargs)
-
-    def log(name, fn):
-        return lambda *args, **kwargs: events.append(name) or fn(*args, **kwargs)
-    cpm.dist.all_to_all_single, cpm.block_forward, cpm.block_backward = \
-        exchange, log("attention", real[1]), log("attention backward", real[2])
-    try:
-        q, k, v = (torch.randn(1, 8, 8, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
-        out = cpm.a2a_attention(q, k, v, mesh(dp=1, cp=world)["cp"].get_group(), groups=2)
-        events.append("|")
-        out.sum().backward()
-    finally:
-        cpm.dist.all_to_all_single, cpm.block_forward, cpm.block_backward = real
-    return events
-
-
-def test_ulysses_starts_every_groups_exchange_before_the_first_groups_attention(pools):
-    # each group's attention runs while the next group's exchange is in flight, and its
-    # output (its gradients) leaves before the next group's attention (backward) starts
-    fwd = ["a2a", "a2a", "attention", "a2a", "attention", "a2a"]
-    bwd = ["a2a", "a2a", "attention backward", "a2a", "attention backward", "a2a"]
-    for events in pools.run(2, _ulysses_order):
-        assert events == fwd + ["|"] + bwd
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernels need a GPU (bench_cp.py checks them too)")
