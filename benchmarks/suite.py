@@ -185,7 +185,7 @@ SUITES = {
            mt("dp2 x pp2 1F1B", 4, "dp2pp2_1f1b", PIPE, "dp4 ZeRO-1, micro-batch 4"),
            mt("dp2 x pp2 interleaved", 4, "dp2pp2_interleaved", PIPE, "dp4 ZeRO-1, micro-batch 4"),
            mt("dp2 x pp2 ZBV", 4, "dp2pp2_zbv", PIPE, "dp4 ZeRO-1, micro-batch 4")],
-    # long context, llama-617M, one sequence a step, not compiled (torchtitan's cp_8l shape)
+    # long context, llama-617M, one sequence a step, not compiled unless named (torchtitan's cp_8l shape)
     "cp1": [tt("torchtitan cp1 16K", 1, "cp1_16k"),
             mt("16K, one GPU", 1, "1gpu", l617m(16384), "torchtitan cp1 16K")],
     "cp2": [tt("torchtitan cp2 32K", 2, "cp2_32k"),
@@ -193,7 +193,11 @@ SUITES = {
     "cp4": [tt("torchtitan cp4 64K", 4, "cp4_64k"),
             mt("64K, cp4 (ring)", 4, "cp4", l617m(65536), "torchtitan cp4 64K"),
             tt("torchtitan cp4 128K", 4, "cp4_128k"),
-            mt("128K, cp4 (ring)", 4, "cp4", l617m(131072), "torchtitan cp4 128K")],
+            mt("128K, cp4 (ring)", 4, "cp4", l617m(131072), "torchtitan cp4 128K"),
+            mt("128K, cp4 (a2a)", 4, "cp4", l617m(131072, "--cp-comm", "a2a"), "torchtitan cp4 128K"),
+            tt("torchtitan cp4 128K, compiled", 4, "cp4_128k", TT3_ARGS="--compile.enable"),
+            mt("128K, cp4 (a2a), compiled", 4, "cp4_compile", l617m(131072, "--cp-comm", "a2a"),
+               "torchtitan cp4 128K, compiled")],
     # llama-moe-3B (16 experts, top-2), 4 x 2048 a rank, not compiled; each side's routing load is recorded
     # (meshtron: expert_load_*; torchtitan: tt3_moe_load's line in its log)
     "moe1": [tt("torchtitan moe natural", 1, "moe_1gpu", **TT_MOE_LOAD),
