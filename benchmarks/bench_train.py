@@ -214,6 +214,17 @@ def _cudagraphs():
     return [(llama, "compile_options", lambda config: {**(options(config) or {}), "triton.cudagraphs": True})]
 
 
+def _keep_weights():
+    """FSDP's gathered weights kept in their storage from step to step (it frees them after each
+    step's backward and allocates them again where the allocator has room): a CUDA graph of a
+    block (+graphs) then finds its weights where it recorded them. Zero 0-2 keep them through
+    the step anyway; zero 3 would keep every block's."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    free = FSDPParam.free_unsharded_param
+    FSDPParam.free_unsharded_param = lambda self: None   # for the whole measurement, not the build only
+    return [(None, "keepweights", lambda: setattr(FSDPParam, "free_unsharded_param", free))]
+
+
 # per-layout options, `layout+option+...`: (module, name, value) patches for the build, undone after
 OPTIONS = {
     "whole": _compile_whole,
@@ -221,6 +232,7 @@ OPTIONS = {
     "expandable": _expandable,   # the allocator's expandable segments from this layout's build on
     "dtensor": _dtensor_tp,      # TP blocks on DTensors, the path local tensors replaced
     "graphs": _cudagraphs,       # CUDA graphs of the compiled blocks (each step opens a new graph generation)
+    "keepweights": _keep_weights,   # FSDP's gathered weights keep their addresses between steps
     "cudnn": lambda: [], "flash": lambda: [],   # the SDPA backend tried first around each step
 }
 
