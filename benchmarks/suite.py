@@ -145,7 +145,13 @@ SUITES = {
     "tp4": [tt("torchtitan tp4", 4, "llama1b_tp4_compile", **TT16),
             mt("tp4 + SP", 4, "tp4_compile", l1b(16), "torchtitan tp4"),
             tt("torchtitan tp2 x fsdp2", 4, "llama1b_tp2fsdp2_compile", **TT16),
-            mt("dp2 x tp2 + SP", 4, "tp2dp2_compile", l1b(32), "torchtitan tp2 x fsdp2")],
+            mt("dp2 x tp2 + SP", 4, "tp2dp2_compile", l1b(32), "torchtitan tp2 x fsdp2"),
+            # FP8 tensorwise on both sides (torchtitan's tp2 x fsdp2 gathers its weights in fp8)
+            tt("torchtitan tp4 FP8", 4, "llama1b_tp4_fp8", **TT16),
+            mt("tp4 + SP FP8", 4, "tp4_compile", l1b(16, "--fp8", "tensorwise"), "torchtitan tp4 FP8"),
+            tt("torchtitan tp2 x fsdp2 FP8", 4, "llama1b_tp2fsdp2_fp8", **TT16),
+            mt("dp2 x tp2 + SP FP8", 4, "tp2dp2_compile", l1b(32, "--fp8", "tensorwise"),
+               "torchtitan tp2 x fsdp2 FP8")],
     # data parallel on four GPUs: llama-1B ZeRO-1 (16 x 2048 a rank), llama-8B ZeRO-3 (2 and 4 x 2048 a rank),
     # compiled
     "fsdp4": [tt("torchtitan fsdp4", 4, "llama1b_fsdp4_compile", **TT16),
