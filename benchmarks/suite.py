@@ -255,6 +255,16 @@ def _peer_result(job: Job, log: str) -> dict:
 
 
 def run_job(job: Job, devices: list[int], out: str, args) -> dict:
+    timeout = args.timeout
+    if args.deadline:   # --budget: a job starts only with a minute left, and stops at the deadline
+        left = args.deadline - time.time()
+        if left < 60:
+            print(f"  {job.name}: skipped, {left:.0f} s of --budget left", flush=True)
+            result = {"name": job.name, "world": job.gpus, "rc": "skipped", "wall_s": 0.0, "devices": devices}
+            with open(os.path.join(out, "suite.jsonl"), "a") as f:
+                f.write(json.dumps(result) + "\n")
+            return result
+        timeout = min(timeout, int(left))
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")   # devices index what this process sees
     devices = [visible[d] if visible != [""] else str(d) for d in devices]
     env = {**os.environ, **job.env, "CUDA_VISIBLE_DEVICES": ",".join(devices),
@@ -276,7 +286,7 @@ def run_job(job: Job, devices: list[int], out: str, args) -> dict:
         f.flush()
         proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
         try:
-            rc = proc.wait(timeout=args.timeout)
+            rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             # SIGTERM: torchrun's agent then stops its workers (they run in sessions of their own,
             # which a SIGKILL to the agent would leave on the GPUs)
@@ -363,8 +373,11 @@ def main():
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--only", default="", help="row names to run, separated by ';' (default: all)")
     p.add_argument("--extra", default="", help="more bench_train flags for every meshtron job (e.g. --experiment X)")
-    p.add_argument("--timeout", type=int, default=420)
+    p.add_argument("--timeout", type=int, default=420, help="seconds a job may run")
+    p.add_argument("--budget", type=int, default=0,
+                   help="seconds for all the jobs (a device call's): a job starts only with 60 s of it left")
     args = p.parse_args()
+    args.deadline = time.time() + args.budget if args.budget else None
     if args.suites == ["list"]:
         for name, jobs in SUITES.items():
             print(f"{name}:")
