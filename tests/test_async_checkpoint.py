@@ -21,7 +21,18 @@ import time
 import pytest
 import torch
 from test_checkpoint import COMMON, LAYOUTS, run
-from test_job_lifetime import DP2, RECIPE, TINY, _alive, _children, _env, _kill_agent, _wait_for, _wait_for_line
+from test_job_lifetime import (
+    DP2,
+    FORKED,
+    TINY,
+    TORCHRUN,
+    _alive,
+    _children,
+    _env,
+    _kill_agent,
+    _wait_for,
+    _wait_for_line,
+)
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.tensor import DTensor
 
@@ -502,10 +513,9 @@ def test_a_job_killed_while_a_save_is_written_resumes_from_the_previous_one_exac
     ck, metrics, log = tmp_path / "ck", tmp_path / "m.jsonl", tmp_path / "agent.log"
     args = TINY + DP2 + ["--steps", "100000", "--checkpoint-dir", str(ck), "--checkpoint-interval", "3",
                          "--keep-checkpoints", "1", "--metrics-file", str(metrics), "--pg-timeout", "30", *ASYNC]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", RECIPE]
     steps = lambda: {json.loads(line)["step"] for line in metrics.read_text().splitlines()}  # noqa: E731
     with open(log, "w") as out:
-        agent = subprocess.Popen(torchrun + args, env=_env() | {"MESHTRON_HOLD_SAVE_AT_STEP": "6"}, stdout=out,
+        agent = subprocess.Popen(TORCHRUN + args, env=_env() | {"MESHTRON_HOLD_SAVE_AT_STEP": "6"}, stdout=out,
                                  stderr=subprocess.STDOUT)
     try:
         _wait_for_line(log, "holding the save of step 6", agent)
@@ -526,9 +536,7 @@ def test_a_job_killed_while_a_save_is_written_resumes_from_the_previous_one_exac
     finally:
         agent.kill()
     assert checkpoint.latest_good(str(ck)) == (str(ck / "step-00000003"), [])
-    # resumed under meshtron-run, which takes torchrun's flags and forks its ranks
-    resume = [sys.executable, "-m", "meshtron.launch", *torchrun[3:]]
-    out = subprocess.run(resume + args + ["--resume", "auto"], env=_env() | {"MESHTRON_EXIT_AFTER": "6"},
+    out = subprocess.run(FORKED + args + ["--resume", "auto"], env=_env() | {"MESHTRON_EXIT_AFTER": "6"},
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"resumed from {ck}/step-00000003 at step 3" in out.stdout

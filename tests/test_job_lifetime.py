@@ -24,6 +24,10 @@ RECIPE = os.path.join(ROOT, "recipes", "train.py")
 TINY = ["--model", "tiny", "--untie-embeddings", "--seq-len", "32", "--global-batch", "8", "--warmup", "2",
         "--log-interval", "1"]
 DP2 = ["--dp", "2", "--micro-batch", "4"]
+# two ranks of the recipe under torchrun (its agent is what the kill tests kill), and the same under
+# meshtron-run, which takes torchrun's flags and forks its ranks (the resumes)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", RECIPE]
+FORKED = [sys.executable, "-m", "meshtron.launch", "--standalone", "--nproc-per-node", "2", RECIPE]
 DEADLINE_S = 15
 # lifetime.py alone, without torch: `m` is the module
 LIFETIME_PY = os.path.join(ROOT, "meshtron", "train", "lifetime.py")
@@ -95,9 +99,8 @@ def test_workers_die_with_a_killed_agent_and_the_job_resumes_exactly(pools, tmp_
     ck, metrics, log = tmp_path / "ck", tmp_path / "m.jsonl", tmp_path / "agent.log"
     args = TINY + DP2 + ["--steps", "100000", "--checkpoint-dir", str(ck), "--checkpoint-interval", "3",
                          "--metrics-file", str(metrics), "--pg-timeout", "30"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", RECIPE]
     with open(log, "w") as out:
-        agent = subprocess.Popen(torchrun + args, env=_env(), stdout=out, stderr=subprocess.STDOUT)
+        agent = subprocess.Popen(TORCHRUN + args, env=_env(), stdout=out, stderr=subprocess.STDOUT)
     try:
         _wait_for(lambda: checkpoint.latest(str(ck)) is not None, "a first checkpoint", proc=agent)
         workers = _children(agent.pid)
@@ -109,9 +112,7 @@ def test_workers_die_with_a_killed_agent_and_the_job_resumes_exactly(pools, tmp_
     for path in saved:                         # whatever the kill interrupted, every step-N is whole
         checkpoint.validate(path)
 
-    # resumed under meshtron-run, which takes torchrun's flags and forks its ranks
-    resume = [sys.executable, "-m", "meshtron.launch", *torchrun[3:]]
-    out = subprocess.run(resume + args + ["--resume", "auto"], env=_env() | {"MESHTRON_EXIT_AFTER": "6"},
+    out = subprocess.run(FORKED + args + ["--resume", "auto"], env=_env() | {"MESHTRON_EXIT_AFTER": "6"},
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"resumed from {saved[-1]}" in out.stdout
