@@ -225,6 +225,17 @@ def _keep_weights():
     return [(None, "keepweights", lambda: setattr(FSDPParam, "free_unsharded_param", free))]
 
 
+def _skip_guards():
+    """Dynamo's guards left unevaluated from the second step on (torch.compiler.set_stance's
+    skip_guard_eval_unsafe, set by step_fn): a compiled block with one entry runs it unchecked, one
+    with several checks only the guards that tell them apart: the host's check before each block call
+    (8 a block and step in a pipeline of 8 micro-batches). Unsafe where anything a guard checks
+    changes after the first step; this benchmark's steps repeat one shape and mode, and the losses
+    against the row without say whether that held. Measured 2026-11-28 (pp2 x tp2 with CUDA graphs):
+    no faster (RESULTS.md, CUDA graphs)."""
+    return [(None, "skipguards", lambda: torch.compiler.set_stance("default"))]
+
+
 # per-layout options, `layout+option+...`: (module, name, value) patches for the build, undone after
 OPTIONS = {
     "whole": _compile_whole,
@@ -233,6 +244,7 @@ OPTIONS = {
     "dtensor": _dtensor_tp,      # TP blocks on DTensors, the path local tensors replaced
     "graphs": _cudagraphs,       # CUDA graphs of the compiled blocks (each step opens a new graph generation)
     "keepweights": _keep_weights,   # FSDP's gathered weights keep their addresses between steps
+    "skipguards": _skip_guards,  # dynamo's guards unevaluated after the first step (unsafe; measurements only)
     "cudnn": lambda: [], "flash": lambda: [],   # the SDPA backend tried first around each step
 }
 
@@ -279,6 +291,15 @@ def step_fn(trainer, args, opts):
         def step(x, y, inputs=None):
             torch.compiler.cudagraph_mark_step_begin()
             return graphed(x, y, inputs)
+    if "skipguards" in opts:   # after the first step, which compiled every block
+        guarded, calls = step, []
+
+        def step(x, y, inputs=None):
+            out = guarded(x, y, inputs)
+            if not calls:
+                calls.append(1)
+                torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+            return out
     if args.sync_steps:   # the host waits for each step: a race that needs the CPU ahead shows as a changed loss
         unsynced = step
 
