@@ -128,6 +128,12 @@ class ParallelConfig:
     """activation recomputation (selective runs its policy in Python per op: pair it with --compile on a GPU)"""
     compile: bool = False
     """torch.compile each block"""
+    cuda_graphs: bool = False
+    ("CUDA graphs of the compiled blocks (needs --compile and GPUs): each block's kernels and collectives "
+     "replayed by one launch, for steps whose small micro-batches leave the GPUs waiting on the host's "
+     "launches (pp x tp, dp x tp); FSDP's gathered weights stay in place between steps (refused with --zero 3). "
+     "Measured on four H100s, llama-1B micro-batch 4: pp2 x tp2 392 against 510-563 ms a step, dp2 x tp2 "
+     "347 against 474 (benchmarks/RESULTS.md)")
     dtype: str = field(default="fp32", metadata={"choices": DTYPES})
     """compute dtype (master weights stay fp32)"""
     reduce_dtype: str = field(default="fp32", metadata={"choices": DTYPES})
@@ -301,6 +307,8 @@ class Config:
             raise ConfigError(f"--pp-schedule {p.pp_schedule} with --compile needs torch 2.13 or later: the split "
                               f"backward of torch {_torch_version()} fails inside compiled blocks; use "
                               "interleaved-1f1b or leave out --compile")
+        if p.cuda_graphs and not p.compile:
+            raise ConfigError("--cuda-graphs records the compiled blocks as CUDA graphs: it needs --compile")
         if p.async_tp and not p.sp:
             raise ConfigError("--async-tp overlaps sequence parallelism's all-gathers and reduce-scatters with "
                               "the matmuls: it needs --sp (and --tp > 1)")
@@ -330,6 +338,10 @@ class Config:
             raise ConfigError(f"--pp-schedule {p.pp_schedule} computes weight gradients outside FSDP's backward, "
                               "and with --zero 3 (parameters resharded after each forward) some of them are lost: "
                               "use --zero 2 (the same sharded gradients and optimizer state) or another schedule")
+        if p.cuda_graphs and p.zero == 3 and d["dp"] * d["cp"] * d["ep"] > 1:
+            raise ConfigError("--cuda-graphs keeps FSDP's gathered weights in place between steps (the graphs read "
+                              "them where they recorded them), which with --zero 3 would hold every block's "
+                              "gathered weights: use --zero 2 (the same sharded gradients and optimizer state)")
         if p.moe_dispatch != "exact" and d["ep"] == 1:
             raise ConfigError(f"--moe-dispatch {p.moe_dispatch} changes expert parallelism's all-to-alls: it needs "
                               "--ep > 1")

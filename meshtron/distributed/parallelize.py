@@ -5,7 +5,8 @@
 1. tensor / sequence parallelism (tp axis): changes what each rank computes,
    so it must see the plain modules;
 2. activation recomputation: wraps blocks that already hold their TP shards;
-3. torch.compile per block: compiles the TP-partitioned, checkpointed block;
+3. torch.compile per block: compiles the TP-partitioned, checkpointed block
+   (--cuda-graphs: replayed as CUDA graphs, meshtron.distributed.cuda_graphs);
 4. FSDP (dense dp x cp x ep): last, because it shards whatever parameters the
    earlier steps left (DTensors on tp become 2-D dp x tp DTensors).
 
@@ -32,7 +33,7 @@ from typing import Protocol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshtron.distributed import async_tp, float8
+from meshtron.distributed import async_tp, cuda_graphs, float8
 from meshtron.distributed.data_parallel import apply_fsdp, autocast_dtype, cast_embeddings, dp_mesh_for
 from meshtron.distributed.mesh import degree
 from meshtron.distributed.recompute import apply_recompute
@@ -56,6 +57,7 @@ class LayoutOptions(Protocol):
     mixed_precision: str    # one process's bf16: "autocast" or "fsdp"
     fsdp_prefetch: int      # blocks all-gathered ahead (1: FSDP2's own)
     fsdp_keep_last: int     # zero 3: last blocks kept gathered from forward to backward
+    cuda_graphs: bool       # CUDA graphs of the compiled blocks, FSDP's gathered weights kept in place
 
 
 def apply_compile(blocks: list[nn.Module], options: dict | None = None) -> None:
@@ -85,8 +87,9 @@ def fp8_tp_plan(plan: dict, model: nn.Module, mesh: DeviceMesh, config: LayoutOp
 
 def compile_options(config: LayoutOptions) -> dict | None:
     """Each block's inductor options: async TP's pass, or FP8 rowwise's cast rounding
-    (the two are never on together: Config.validate)."""
-    return async_tp.compile_options(config) or float8.compile_options(config)
+    (the two are never on together: Config.validate), and CUDA graphs (--cuda-graphs)."""
+    return cuda_graphs.compile_options(async_tp.compile_options(config) or float8.compile_options(config),
+                                       config.cuda_graphs)
 
 
 def _zero(mesh: DeviceMesh, config: LayoutOptions) -> int | None:
@@ -120,6 +123,8 @@ def apply_dp(model: nn.Module, mesh: DeviceMesh, config: LayoutOptions, blocks: 
     if zero is not None:
         apply_fsdp(model, mesh, blocks, zero, config.hsdp, config.dtype, config.reduce_dtype, experts, dp_mesh,
                    prefetch=config.fsdp_prefetch, keep_last=config.fsdp_keep_last)
+        if config.cuda_graphs:   # the graphs read the gathered weights where they recorded them
+            cuda_graphs.keep_gathered(model)
 
 
 def find_blocks(model: nn.Module, blocks=None) -> tuple[str, list[nn.Module]]:
@@ -160,6 +165,6 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, config: LayoutOptions, *, pl
         parallelize_module(model, mesh, fp8_tp_plan(styles, model, mesh, config))
     apply_recompute(blocks, config.recompute)
     if config.compile:
-        apply_compile(blocks, float8.compile_options(config))
+        apply_compile(blocks, cuda_graphs.compile_options(float8.compile_options(config), config.cuda_graphs))
     apply_dp(model, mesh, config, blocks, dp_mesh=dp_mesh)
     return model

@@ -28,11 +28,12 @@ import torch.nn as nn
 from meshtron.config import Config, ConfigError
 from meshtron.data import BatchLoader, open_data
 from meshtron.data.sources import is_text
+from meshtron.distributed import cuda_graphs
 from meshtron.distributed.agree import agree
 from meshtron.distributed.context_parallel import shard_sequence
 from meshtron.distributed.data_parallel import autocast_dtype, reshard
 from meshtron.distributed.float8 import precompute_scales
-from meshtron.distributed.mesh import batch_slice, degree, init_mesh, world_size
+from meshtron.distributed.mesh import batch_slice, default_device_type, degree, init_mesh, world_size
 from meshtron.distributed.pipeline_parallel import Pipeline
 from meshtron.distributed.reduce import sum_over
 from meshtron.distributed.tied import materialize
@@ -94,6 +95,7 @@ class Trainer:
         with agree():   # nothing has communicated yet: every problem stops every rank here
             self.spec, self.model_config, degrees, self.microbatches, self.global_batch = resolve_layout(
                 c, world_size())   # the config, then the layout against the model
+            cuda_graphs.check_device(c.parallel.cuda_graphs, default_device_type())
             self.run_log = RunLog(self.rank, c.training.metrics_file, c.training.tensorboard, verbose)
             data = self._open_data()
             # what to resume, read before the directory is locked or cleared: a directory of
@@ -244,6 +246,8 @@ class Trainer:
     def step(self, x: torch.Tensor, y: torch.Tensor, inputs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step on this rank's part of a global batch; (loss, grad norm)
         as device tensors (reading them syncs the GPU). `inputs`: next_batch's."""
+        if self.config.parallel.cuda_graphs:
+            cuda_graphs.step_begin()
         loss, norm = gradients(self.parts, x, y, self.mesh, self.pipeline, self.config, self.microbatches,
                                self.loss_fn, inputs)
         self.optimizer.step()
@@ -264,6 +268,8 @@ class Trainer:
         total = count = torch.zeros((), device=self.device)
         par = self.config.parallel
         amp = autocast_dtype(self.mesh, par.dtype, par.mixed_precision)   # as the training step's forward
+        if par.cuda_graphs:
+            cuda_graphs.step_begin()
         for m in self.parts:
             m.eval()
         for _ in range(n):
