@@ -62,6 +62,12 @@ CASES = {  # (world, argv, message) -- issue 11, points 4, 5, 7, 8
     "mesh and world": (4, ["--tp", "3"], "pp*cp*tp*ep = 1*1*3*1 = 3 does not divide the world size 4"),
     "unknown schedule pieces": (2, ["--pp", "2", "--microbatches", "1"], "needs at least pp=2 micro-batches, got 1"),
     "global batch": (2, ["--dp", "2", "--global-batch", "5"], "--global-batch 5 must be a multiple of"),
+    "cuda graphs without compile": (1, ["--cuda-graphs"], "--cuda-graphs records the compiled blocks as CUDA "
+                                                          "graphs: it needs --compile"),
+    "cuda graphs on CPUs": (2, ["--dp", "2", "--compile", "--cuda-graphs"],
+                            "--cuda-graphs records CUDA graphs: it needs GPUs, and this run's devices are CPUs"),
+    "cuda graphs and zero 3": (2, ["--dp", "2", "--zero", "3", "--compile", "--cuda-graphs"],
+                               "with --zero 3 would hold every block's gathered weights: use --zero 2"),
     "split backward and zero 3": (4, ["--dp", "2", "--pp", "2", "--pp-schedule", "zbv", "--pp-virtual", "2",
                                       "--zero", "3"], "--pp-schedule zbv computes weight gradients outside FSDP's"),
 }
