@@ -205,26 +205,6 @@ def _head_units():
     return [(llama, "apply_dp", split)]
 
 
-def _cudagraphs():
-    """Inductor's CUDA graphs (cudagraph trees) for each compiled block: its kernels and
-    collectives replayed from one graph launch instead of launched one by one from the
-    host (the host-bound small micro-batches of pp x tp and dp x tp)."""
-    from meshtron.models.llama import parallelize as llama
-    options = llama.compile_options
-    return [(llama, "compile_options", lambda config: {**(options(config) or {}), "triton.cudagraphs": True})]
-
-
-def _keep_weights():
-    """FSDP's gathered weights kept in their storage from step to step (it frees them after each
-    step's backward and allocates them again where the allocator has room): a CUDA graph of a
-    block (+graphs) then finds its weights where it recorded them. Zero 0-2 keep them through
-    the step anyway; zero 3 would keep every block's."""
-    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
-    free = FSDPParam.free_unsharded_param
-    FSDPParam.free_unsharded_param = lambda self: None   # for the whole measurement, not the build only
-    return [(None, "keepweights", lambda: setattr(FSDPParam, "free_unsharded_param", free))]
-
-
 def _skip_guards():
     """Dynamo's guards left unevaluated from the second step on (torch.compiler.set_stance's
     skip_guard_eval_unsafe, set by step_fn): a compiled block with one entry runs it unchecked, one
@@ -242,8 +222,12 @@ OPTIONS = {
     "heads": _head_units,        # embedding and head FSDP units of their own (torchtitan's)
     "expandable": _expandable,   # the allocator's expandable segments from this layout's build on
     "dtensor": _dtensor_tp,      # TP blocks on DTensors, the path local tensors replaced
-    "graphs": _cudagraphs,       # CUDA graphs of the compiled blocks (each step opens a new graph generation)
-    "keepweights": _keep_weights,   # FSDP's gathered weights keep their addresses between steps
+    # the trainer's --cuda-graphs (flags_of adds it): CUDA graphs of the compiled blocks, FSDP's gathered
+    # weights kept in place between steps, a new graph generation each step (meshtron.distributed.cuda_graphs)
+    "graphs": lambda: [],
+    # kept weights, a patch here until --cuda-graphs did it (2026-11-28): now part of +graphs, and accepted
+    # so that results/2026-11-28-4xh100-graphs2/run.sh's job names still run (as +graphs)
+    "keepweights": lambda: [],
     "skipguards": _skip_guards,  # dynamo's guards unevaluated after the first step (unsafe; measurements only)
     "cudnn": lambda: [], "flash": lambda: [],   # the SDPA backend tried first around each step
 }
@@ -258,12 +242,13 @@ def split_options(name: str) -> tuple[str, list[str]]:
 
 
 def flags_of(name: str) -> tuple[int, list[str]]:
-    name = split_options(name)[0]
+    name, opts = split_options(name)
     base = name.removesuffix("_compile")
     if base not in LAYOUTS:
         raise SystemExit(f"unknown layout {name}; known: {', '.join(LAYOUTS)} (each also with _compile)")
     world, flags = LAYOUTS[base]
-    return world, flags + (["--compile"] if name.endswith("_compile") else [])
+    return world, (flags + (["--compile"] if name.endswith("_compile") else [])
+                   + (["--cuda-graphs"] if "graphs" in opts else []))
 
 
 def sync(device):
@@ -285,12 +270,6 @@ def step_fn(trainer, args, opts):
         def step(x, y, inputs=None):
             with sdpa_kernel(order, set_priority=True):
                 return trainer.step(x, y, inputs)
-    if "graphs" in opts:   # a step's graph outputs may be overwritten from the next step on
-        graphed = step
-
-        def step(x, y, inputs=None):
-            torch.compiler.cudagraph_mark_step_begin()
-            return graphed(x, y, inputs)
     if "skipguards" in opts:   # after the first step, which compiled every block
         guarded, calls = step, []
 
