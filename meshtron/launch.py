@@ -17,8 +17,9 @@ imports torch and the trainer again: seconds of CPU per rank, all ranks at once.
 Here, with one thread per process (OMP_NUM_THREADS=1, the default above), a
 forkserver imports them once and forks every rank, which runs the script as
 `python -u SCRIPT ARGS` would (`__main__`, sys.argv, sys.path[0], unbuffered
-output). The server starts no thread and touches no GPU, so a forked rank
-initialises CUDA as a fresh process does. It dies with the agent, and each
+output). Where the command line already says so, the server starts before the
+agent imports torch, and the two imports run side by side. The server starts no thread and
+touches no GPU, so a forked rank initialises CUDA as a fresh process does. It dies with the agent, and each
 rank's two processes (run_script's) follow it. `-m`, `--no-python` and `--run-path` jobs,
 and jobs with more OpenMP threads (a forked OpenMP pool can deadlock), start as
 under torchrun.
@@ -123,10 +124,44 @@ def forks_ranks(args) -> bool:
     return script and os.environ.get("OMP_NUM_THREADS") == "1" and sys.platform == "linux"
 
 
+def forks_by_command_line(argv: list[str]) -> bool:
+    """forks_ranks's answer read from the command line alone, before torch is imported:
+    True only where it is sure (a `.py` script, no -m / --no-python / --run-path before it,
+    and OMP_NUM_THREADS 1 or unset with a number of processes over 1)."""
+    script = next((i for i, a in enumerate(argv) if a.endswith(".py") and not a.startswith("-")), None)
+    if script is None or sys.platform != "linux":
+        return False
+    launcher = argv[:script]
+    nproc = None
+    for i, a in enumerate(launcher):
+        name, eq, value = a.partition("=")
+        if name in ("-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path"):
+            return False
+        if name in ("--nproc-per-node", "--nproc_per_node"):
+            nproc = value if eq else (launcher[i + 1] if i + 1 < len(launcher) else "")
+    threads = os.environ.get("OMP_NUM_THREADS")
+    return threads == "1" or (threads is None and nproc is not None and nproc.isdigit() and int(nproc) > 1)
+
+
+def start_server() -> None:
+    """The fork server, started now: it imports torch and the trainer (PRELOAD) while this
+    process imports torch for the agent, on another core, where a server started at the first
+    fork would begin only after the agent's import and its rendezvous. Starting it does not wait
+    for its imports; the first fork does."""
+    import multiprocessing
+    from multiprocessing import forkserver
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    forkserver.ensure_running()
+
+
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if forks_by_command_line(argv):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")   # as below, before the server inherits the environment
+        start_server()
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
+    args = torchrun.parse_args(argv)
     if torchrun.determine_local_world_size(args.nproc_per_node) > 1:   # where torchrun would, and no more
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     # the agent logs each failed worker with its pid and binary; the line below says it once

@@ -59,4 +59,5 @@ def pytest_runtest_protocol(item, nextitem):
     (busy1, idle1), t1 = _cpu_ticks(), time.perf_counter()
     with open(path, "a") as f:
         f.write(json.dumps({"test": item.nodeid, "wall_s": round(t1 - t0, 2), "busy_cpu_s": (busy1 - busy0) / hz,
-                            "idle_cpu_s": (idle1 - idle0) / hz}) + "\n")
+                            "idle_cpu_s": (idle1 - idle0) / hz, "end": round(time.time(), 1),
+                            "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}) + "\n")

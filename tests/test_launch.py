@@ -122,3 +122,33 @@ def test_forked_ranks_end_with_a_killed_agent(tmp_path):
             except ProcessLookupError:
                 pass
 
+
+
+
+@pytest.mark.parametrize("argv,threads,early", [
+    (["--nproc-per-node", "2", "job.py", "ok"], None, True),
+    (["--nproc_per_node=4", "--standalone", "job.py", "--nproc-per-node", "1"], None, True),
+    (["--nnodes", "1", "--nproc-per-node", "1", "job.py"], "1", True),
+    (["--nproc-per-node", "1", "job.py"], None, False),           # one process: a fresh interpreter
+    (["--nproc-per-node", "2", "job.py"], "2", False),            # the user's OpenMP threads
+    (["--nproc-per-node", "2", "-m", "pkg.train"], None, False),  # a module
+    (["--nproc-per-node", "2", "--no-python", "echo.py"], None, False),
+    (["--nproc-per-node", "2", "--run-path", "job.py"], None, False),
+    (["--nproc-per-node", "auto", "job.py"], None, False),        # a count torch works out: not guessed
+])
+def test_the_server_starts_early_only_where_the_ranks_are_forked(monkeypatch, argv, threads, early):
+    # meshtron-run starts its fork server before it imports torch where the command line alone
+    # says the ranks will be forked from it, and only there (a server of no use costs a core's
+    # seconds): wherever it guesses yes, torchrun's own parse forks them too
+    from torch.distributed import run as torchrun
+
+    from meshtron import launch
+    if threads is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", threads)
+    assert launch.forks_by_command_line(argv) == early
+    args = torchrun.parse_args(argv)
+    if torchrun.determine_local_world_size(args.nproc_per_node) > 1:   # what main sets, where torchrun would
+        monkeypatch.setenv("OMP_NUM_THREADS", threads or "1")
+    assert launch.forks_ranks(args) or not early
