@@ -86,6 +86,7 @@ LAYOUTS = {  # name: (GPUs, recipe flags); bf16 compute, fp32 master weights and
                                "--zero", "1"]),
     "dp2pp2_zbv": (4, ["--dp", "2", "--pp", "2", "--pp-schedule", "zbv", "--pp-virtual", "2", "--zero", "1"]),
     "pp2tp2": (4, ["--pp", "2", "--tp", "2", "--sp", "--microbatches", "8"]),
+    "pp2tp2_1f1b": (4, ["--pp", "2", "--tp", "2", "--sp"]),   # micro-batches: --global-batch / --micro-batch
     "pp2tp2_nosp": (4, ["--pp", "2", "--tp", "2", "--microbatches", "8"]),
     "pp2tp2_m4": (4, ["--pp", "2", "--tp", "2", "--sp", "--microbatches", "4"]),
     "cp2": (2, ["--cp", "2"]),                           # context parallelism: sequences over cp
