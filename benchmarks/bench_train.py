@@ -647,6 +647,17 @@ def forget() -> None:
     torch._dynamo.reset()
 
 
+def error_text(e: BaseException) -> str:
+    """`Type: message` of an exception and of each one it was raised from: the pipeline's
+    "[Stage 0] failed to run forward" names no cause of its own (2026-11-28, async TP with graphs)."""
+    parts, seen = [], set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        parts.append(f"{type(e).__name__}: {str(e).strip()[:1500]}")
+        e = e.__cause__ or e.__context__
+    return " <- ".join(parts)
+
+
 def record(result: dict, path: str) -> None:
     """Print one result and append it to a .jsonl file (rank 0), then wait for every rank."""
     if dist.get_rank() == 0:
@@ -700,7 +711,7 @@ def main():
             try:
                 result = measure(name, recipe_flags, args)
             except Exception as e:  # noqa: BLE001 - record and go on with the next layout
-                result = dict(layout=name, world=world, error=f"{type(e).__name__}: {e}")
+                result = dict(layout=name, world=world, error=error_text(e))
                 forget()
             compiled |= name.endswith("_compile")
         record(result, os.path.join(args.out, "results.jsonl"))
