@@ -338,11 +338,12 @@ class Config:
             d = resolve_degrees(world_size, **p.degrees())
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if d["pp"] > 1 and p.pp_schedule in SPLIT_BACKWARD and p.zero == 3 and d["dp"] * d["cp"] * d["ep"] > 1:
+        zero3 = p.zero == 3 and d["dp"] * d["cp"] * d["ep"] > 1   # resharded over FSDP's dense axes
+        if d["pp"] > 1 and p.pp_schedule in SPLIT_BACKWARD and zero3:
             raise ConfigError(f"--pp-schedule {p.pp_schedule} computes weight gradients outside FSDP's backward, "
                               "and with --zero 3 (parameters resharded after each forward) some of them are lost: "
                               "use --zero 2 (the same sharded gradients and optimizer state) or another schedule")
-        if p.cuda_graphs and p.zero == 3 and d["dp"] * d["cp"] * d["ep"] > 1:
+        if p.cuda_graphs and zero3:
             raise ConfigError("--cuda-graphs keeps FSDP's gathered weights in place between steps (the graphs read "
                               "them where they recorded them), which with --zero 3 would hold every block's "
                               "gathered weights: use --zero 2 (the same sharded gradients and optimizer state)")

@@ -18,9 +18,10 @@ Here, with one thread per process (OMP_NUM_THREADS=1, the default above), a
 forkserver imports them once and forks every rank, which runs the script as
 `python -u SCRIPT ARGS` would (`__main__`, sys.argv, sys.path[0], unbuffered
 output). Where the command line already says so, the server starts before the
-agent imports torch, and the two imports run side by side. The server starts no thread and
-touches no GPU, so a forked rank initialises CUDA as a fresh process does. It dies with the agent, and each
-rank's two processes (run_script's) follow it. `-m`, `--no-python` and `--run-path` jobs,
+agent imports torch, and the two imports run side by side. The server starts no
+thread and touches no GPU, so a forked rank initialises CUDA as a fresh process
+does. It dies with the agent, and each rank's two processes (run_script's)
+follow it. `-m`, `--no-python` and `--run-path` jobs,
 and jobs with more OpenMP threads (a forked OpenMP pool can deadlock), start as
 under torchrun.
 """
@@ -144,10 +145,10 @@ def forks_by_command_line(argv: list[str]) -> bool:
 
 
 def start_server() -> None:
-    """The fork server, started now: it imports torch and the trainer (PRELOAD) while this
-    process imports torch for the agent, on another core, where a server started at the first
-    fork would begin only after the agent's import and its rendezvous. Starting it does not wait
-    for its imports; the first fork does."""
+    """The fork server, started now (again: a no-op): it imports torch and the trainer
+    (PRELOAD) while this process goes on, on another core; called before the agent imports
+    torch where the command line says the ranks will be forked. Starting it does not wait for
+    its imports; the first fork does."""
     import multiprocessing
     from multiprocessing import forkserver
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
@@ -168,8 +169,7 @@ def main(argv=None) -> None:
     for logger in ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn"):
         logging.getLogger(logger).setLevel(logging.CRITICAL)
     if forks_ranks(args):
-        import multiprocessing
-        multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+        start_server()   # running already where forks_by_command_line said so
         # torchrun's --run-path (runpy in a worker started by start_method), with this module's runner
         args.run_path, args.start_method = True, "forkserver"
         torchrun.run_script_path = run_script

@@ -123,8 +123,6 @@ def test_forked_ranks_end_with_a_killed_agent(tmp_path):
                 pass
 
 
-
-
 @pytest.mark.parametrize("argv,threads,early", [
     (["--nproc-per-node", "2", "job.py", "ok"], None, True),
     (["--nproc_per_node=4", "--standalone", "job.py", "--nproc-per-node", "1"], None, True),

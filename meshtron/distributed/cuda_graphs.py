@@ -39,17 +39,20 @@ def _keep(*args) -> None:
     """FSDPParam.free_unsharded_param kept from freeing anything."""
 
 
+def fsdp_params(model: nn.Module) -> list:
+    """The FSDPParam objects of every FSDP unit in `model` (the fully_shard state's param
+    group; one group a unit on torch 2.11 and 2.13, None for a unit left with no parameters)."""
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
+    return [p for g in groups if g is not None for p in g.fsdp_params]
+
+
 def keep_gathered(model: nn.Module) -> None:
     """Every FSDP unit in `model` keeps its gathered (unsharded) weights' storage
     from one step to the next: each all-gather writes into the same memory, where
-    the CUDA graphs recorded them. Patched on this model's FSDPParam objects (the
-    fully_shard state's param group; one group a unit on torch 2.11 and 2.13), not
-    on the class: other models in the process free theirs as usual."""
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            group = m._get_fsdp_state()._fsdp_param_group   # None for a unit left with no parameters
-            for p in group.fsdp_params if group is not None else ():
-                p.free_unsharded_param = _keep
+    the CUDA graphs recorded them. Patched on this model's FSDPParam objects, not on
+    the class: other models in the process free theirs as usual."""
+    for p in fsdp_params(model):
+        p.free_unsharded_param = _keep
 
 
 def step_begin() -> None:

@@ -5,8 +5,9 @@ under --cuda-graphs) training gives the same losses and weights as without, and
 each all-gather writes into the same storage every step, where a graph recorded it."""
 import pytest
 import torch
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+
+from meshtron.distributed.cuda_graphs import fsdp_params
 
 TINY = ["--model", "tiny", "--untie-embeddings", "--seq-len", "32", "--global-batch", "8", "--warmup", "1",
         "--lr", "3e-3", "--log-interval", "100"]
@@ -17,16 +18,10 @@ LAYOUTS = {  # world, flags
 STEPS = 3
 
 
-def _fsdp_params(parts) -> list:
-    groups = [m._get_fsdp_state()._fsdp_param_group for part in parts for m in part.modules()
-              if isinstance(m, FSDPModule)]
-    return [p for g in groups if g is not None for p in g.fsdp_params]
-
-
 def _gathered(parts) -> list[tuple[int, int]]:
     """(address, bytes) of the storage of every gathered weight FSDP holds for this rank."""
     return [(t.untyped_storage().data_ptr(), t.untyped_storage().size())
-            for p in _fsdp_params(parts) for t in p.all_gather_outputs]
+            for part in parts for p in fsdp_params(part) for t in p.all_gather_outputs]
 
 
 def _train(rank, world, argv, keep):
@@ -76,7 +71,7 @@ def _apply_dp_keeps(rank, world):
         with torch.device("meta"):
             model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
         apply_dp(model, mesh(dp=2), ParallelConfig(dp=2, cuda_graphs=graphs), list(model))
-        out.append([p.__dict__.get("free_unsharded_param") is not None for p in _fsdp_params([model])])
+        out.append([p.__dict__.get("free_unsharded_param") is not None for p in fsdp_params(model)])
     return out
 
 
