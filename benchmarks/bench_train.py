@@ -380,12 +380,16 @@ class MemoryPhases:
 
 
 def bubble(result: dict, par, microbatches: int, world: int, device) -> None:
-    """The pipeline's bubble: the share of the step each rank's GPU computes nothing,
-    measured by the profile, and as the schedule predicts it."""
-    idle = torch.tensor([1 - result["profile"]["compute_busy_ms"] / result["step_ms"]], device=device)
+    """The pipeline's bubble, per rank, measured by the profile: `bubble_measured` the share
+    of the step the GPU computes nothing (its TP collectives idle too), `bubble_pipeline` the
+    share it runs neither compute nor a collective of its own stage (waiting in a pipeline
+    send/recv, or for the host); and the bubble as the schedule predicts it."""
+    p = result["profile"]
+    idle = torch.tensor([1 - p[k] / result["step_ms"] for k in ("compute_busy_ms", "stage_busy_ms")], device=device)
     idles = [torch.zeros_like(idle) for _ in range(world)]
     dist.all_gather(idles, idle)
-    result["bubble_measured"] = [round(float(t), 4) for t in idles]
+    result["bubble_measured"] = [round(float(t[0]), 4) for t in idles]
+    result["bubble_pipeline"] = [round(float(t[1]), 4) for t in idles]
     result["bubble_predicted"] = bubble_fraction(par.pp_schedule, par.pp, microbatches, par.pp_virtual)
 
 
@@ -540,6 +544,7 @@ def profile(step, n: int, device, path: str) -> dict:
             host[f"host_{e.name}_ms"] += e.time_range.elapsed_us() / 1e3 / n
             host[f"host_{e.name}_calls"] += 1 / n
     busy, comm_total = _length(_union(comm + compute)), _length(_union(comm))
+    stage = stage_busy([(e.name, e.time_range.start, e.time_range.end) for e in kernels])
     exposed = comm_total - _length(_intersect(_union(comm), _union(compute)))
     gaps = _gaps(_union(comm + compute), kernels, n)
     with open(path, "w") as f:
@@ -548,9 +553,15 @@ def profile(step, n: int, device, path: str) -> dict:
         f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
         f.write("\nGPU idle gaps over 0.5 ms, per step: " + gaps)
     return {"wall_ms": wall, "gpu_busy_ms": busy / 1e3 / n, "compute_busy_ms": _length(_union(compute)) / 1e3 / n,
-            "comm_ms": comm_total / 1e3 / n,
+            "stage_busy_ms": stage / 1e3 / n, "comm_ms": comm_total / 1e3 / n,
             "exposed_comm_ms": exposed / 1e3 / n, **{f"{k}_ms": v for k, v in by_kind.items()},
             **dict(nccl_ops), **dict(host)}
+
+
+def stage_busy(kernels: list) -> float:
+    """The time covered by the union of a rank's kernels, (name, start, end) each, but the
+    pipeline's peer-to-peer ones (NCCL SendRecv): its stage's compute and collectives."""
+    return _length(_union([(s, e) for name, s, e in kernels if "sendrecv" not in name.lower()]))
 
 
 def _gaps(busy: list, kernels: list, n: int) -> str:

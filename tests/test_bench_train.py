@@ -1,0 +1,19 @@
+"""benchmarks/bench_train.py's profile summary on synthetic kernel intervals."""
+import importlib.util
+import pathlib
+
+spec = importlib.util.spec_from_file_location(
+    "bench_train", pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_train.py")
+bench_train = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench_train)
+
+
+def test_stage_busy_counts_tp_collectives_not_pipeline_recv():
+    kernels = [("sm90_xmma_gemm_bf16", 0, 10),
+               ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 10, 20),   # TP: the stage's
+               ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 20, 50),   # waiting for the other stage
+               ("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", 45, 55),   # overlaps the recv's end
+               ("triton_poi_fused_add_0", 52, 60),
+               ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 58, 70)]   # its start under compute
+    assert bench_train.stage_busy(kernels) == 10 + 10 + 15
+    assert bench_train.stage_busy([k for k in kernels if "SendRecv" in k[0]]) == 0
