@@ -68,6 +68,7 @@ LAYOUTS = {  # name: (GPUs, recipe flags); bf16 compute, fp32 master weights and
     "tp2": (2, ["--tp", "2", "--sp"]),
     "tp2_async": (2, ["--tp", "2", "--sp", "--async-tp"]),
     "tp2_overlap": (2, ["--tp", "2", "--sp", "--tp-overlap"]),   # Megatron's backward reduce-scatter overlap
+    "tp2_overlap_ce": (2, ["--tp", "2", "--sp", "--tp-overlap", "--tp-overlap-comm", "copy-engine"]),
     "tp4_async": (4, ["--tp", "4", "--sp", "--async-tp"]),
     "tp2dp2_async": (4, ["--dp", "2", "--tp", "2", "--sp", "--async-tp", "--zero", "1"]),
     "pp2tp2_async": (4, ["--pp", "2", "--tp", "2", "--sp", "--async-tp", "--microbatches", "8"]),

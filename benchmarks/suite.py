@@ -136,6 +136,8 @@ SUITES = {
                     tt("torchtitan tp2", 2, "llama1b_tp2_compile", **TT16),
                     mt("tp2 + SP --async-tp", 2, "tp2_async_compile", l1b(32), "torchtitan tp2"),
                     # NCCL's kernels on fewer SMs, leaving the matmuls beside an overlapped collective more
+                    # the overlapped reduce-scatter moved by the copy engines over symmetric memory
+                    mt("tp2 + SP --tp-overlap copy-engine", 2, "tp2_overlap_ce_compile", l1b(32), "torchtitan tp2"),
                     mt("tp2 + SP --tp-overlap, NCCL_MAX_CTAS=8", 2, "tp2_overlap_compile", l1b(32), "torchtitan tp2",
                        NCCL_MAX_CTAS="8"),
                     mt("tp2 + SP --tp-overlap, NCCL_MAX_CTAS=4", 2, "tp2_overlap_compile", l1b(32), "torchtitan tp2",

@@ -92,6 +92,10 @@ class ParallelConfig:
     ("tensor parallelism's backward, dense Llama blocks: the reduce-scatter (all-reduce without --sp) of the "
      "column-parallel linears' input gradient runs under their weight-gradient matmuls (Megatron's); measured "
      "no faster: tp2 on two H100s hid 26 ms of communication and slowed those matmuls 24 ms (benchmarks/RESULTS.md)")
+    tp_overlap_comm: str = field(default="nccl", metadata={"choices": ("nccl", "copy-engine")})
+    ("the collective --tp-overlap hides under --sp: nccl (NCCL's reduce-scatter kernels, which take SMs from "
+     "the matmuls beside them) or copy-engine (CUDA only: the bytes pushed with cudaMemcpy over torch's "
+     "symmetric memory, then summed; benchmarks/RESULTS.md)")
     cp_comm: str = field(default="p2p", metadata={"choices": ("p2p", "allgather", "a2a")})
     """context-parallel attention: p2p (ring), allgather (K/V) or a2a (Ulysses, heads)"""
     moe_dispatch: str = field(default="exact", metadata={"choices": ("exact", "padded", "overlap")})
@@ -320,6 +324,12 @@ class Config:
             raise ConfigError("--tp-overlap with --sp and --cp is not supported: context parallelism takes the "
                               "rotary positions from the attention's gathered input, which --tp-overlap gathers "
                               "inside the projections; leave out --tp-overlap")
+        if p.tp_overlap_comm != "nccl" and not (p.tp_overlap and p.sp):
+            raise ConfigError(f"--tp-overlap-comm {p.tp_overlap_comm} chooses the collective of --tp-overlap "
+                              "under --sp: it needs --tp-overlap and --sp")
+        if p.tp_overlap_comm != "nccl" and p.cuda_graphs:
+            raise ConfigError(f"--tp-overlap-comm {p.tp_overlap_comm} with --cuda-graphs is not supported: its "
+                              "side stream and symmetric-memory workspace are not recorded; use one of the two")
         if p.fp8 != "none" and p.async_tp:
             raise ConfigError("--fp8 with --async-tp is not supported: the overlapped matmuls are bf16 ones, of "
                               "weights the fp8 linears hold; use one or the other")

@@ -20,6 +20,9 @@ weights' gradients computed while it runs, the wait last. Otherwise autograd sum
 input's gradient only after every one of those linears' whole backward, and the
 collective runs with nothing beside it. Off by default: it measured no faster, the
 matmuls beside the collective slowing by what it hid (benchmarks/RESULTS.md).
+With `comm="copy-engine"` (--tp-overlap-comm copy-engine, CUDA only) that reduce-scatter
+moves its bytes with the GPUs' copy engines over symmetric memory (`ce_reduce_scatter`)
+instead of NCCL's kernels, which take SMs from the matmuls beside them.
 
 Under SP a norm's weight gradient is a partial sum (each rank saw 1/tp of the
 tokens) and is reduced once per step, as under the DTensor styles. Same
@@ -180,13 +183,53 @@ class LocalNorm(ParallelStyle):
         return module
 
 
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def enable_copy_engine(group: str, device_type: str) -> None:
+    """Let the tp group run ce_reduce_scatter: symmetric memory on, CUDA only."""
+    if device_type != "cuda":
+        raise ValueError(f"--tp-overlap-comm copy-engine moves the reduce-scatter with CUDA copy engines over "
+                         f"symmetric memory: it needs CUDA, not {device_type}; leave it at nccl")
+    import warnings
+
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+    with warnings.catch_warnings():      # 2.13 warns that enabling per group is no longer needed
+        warnings.simplefilter("ignore")
+        enable_symm_mem_for_group(group)
+
+
+def ce_reduce_scatter(chunks: torch.Tensor, group: str):
+    """Start a sum-reduce-scatter of `chunks` (tp equal blocks along dim 0, block r for
+    rank r) on a side stream: each block is pushed into its rank's symmetric-memory
+    workspace with cudaMemcpy (the copy engines, no SMs), then the tp blocks that
+    arrived are summed. Returns (result, stream): the result is valid once the caller's
+    stream has waited on `stream`; `chunks` must stay alive until then."""
+    from torch.distributed._symmetric_memory import get_symm_mem_workspace
+    ws = get_symm_mem_workspace(group, chunks.numel() * chunks.element_size())
+    rank, tp = ws.rank, ws.world_size
+    parts = chunks.chunk(tp)
+    n = parts[0].numel()
+    stream = _side_streams.setdefault(chunks.device.index, torch.cuda.Stream(chunks.device))
+    stream.wait_stream(torch.cuda.current_stream(chunks.device))
+    with torch.cuda.stream(stream):
+        ws.barrier()                     # every rank done reading its workspace from the last call
+        for step in range(tp):
+            peer = (rank - step) % tp
+            ws.get_buffer(peer, parts[0].shape, parts[0].dtype, n * rank).copy_(parts[peer])
+        ws.barrier()                     # every rank's block has landed here
+        out = ws.get_buffer(rank, chunks.shape, chunks.dtype).unflatten(0, (tp, -1)).sum(0)
+    return out, stream
+
+
 def _column_backward(grads: list[torch.Tensor], x_all: torch.Tensor, weights: list[torch.Tensor],
-                     group: str, tp: int) -> list[torch.Tensor]:
+                     group: str, tp: int, copy_engine: bool = False) -> list[torch.Tensor]:
     """[dx, dW_1, ...] of the column-parallel linears y_i = x_all W_i^T, in Megatron's order
     (LinearWithGradAccumulationAndAsyncCommunication): dx_all = sum_i g_i W_i; its
     reduce-scatter over the sequence (tp > 1) or all-reduce (tp == 1: no SP) starts;
     dW_i = g_i^T x_all run while it travels; the wait comes last. funcol's raw ops, since
-    funcol's wrappers wait at once when traced."""
+    funcol's wrappers wait at once when traced. `copy_engine`: the reduce-scatter is
+    ce_reduce_scatter's (SP, CUDA)."""
     g2 = [g.flatten(0, -2) for g in grads]
     dx = g2[0] @ weights[0]
     for g, w in zip(g2[1:], weights[1:]):
@@ -194,6 +237,14 @@ def _column_backward(grads: list[torch.Tensor], x_all: torch.Tensor, weights: li
     dx = dx.view_as(x_all)
     if tp > 1:   # each rank's sequence chunk first: the reduce-scatter splits dim 0
         chunks = dx.unflatten(1, (tp, -1)).transpose(0, 1).flatten(0, 1).contiguous()
+        if copy_engine:
+            out, stream = ce_reduce_scatter(chunks, group)
+            x2 = x_all.flatten(0, -2)
+            dws = [g.t() @ x2 for g in g2]
+            torch.cuda.current_stream(out.device).wait_stream(stream)
+            out.record_stream(torch.cuda.current_stream(out.device))
+            del chunks
+            return [out, *dws]
         pending = torch.ops._c10d_functional.reduce_scatter_tensor(chunks, "sum", tp, group)
     else:
         pending = torch.ops._c10d_functional.all_reduce(dx, "sum", group)
@@ -207,14 +258,14 @@ def _column_backward(grads: list[torch.Tensor], x_all: torch.Tensor, weights: li
 # weight gradients (seen on the CPU). Eager, the plain function, whose collectives the
 # dry run's dispatch mode counts.
 @torch.library.custom_op("meshtron::column_backward", mutates_args=(), schema=(
-    "(Tensor[] grads, Tensor x_all, Tensor[] weights, str group, int tp) -> Tensor[]"))
+    "(Tensor[] grads, Tensor x_all, Tensor[] weights, str group, int tp, bool copy_engine) -> Tensor[]"))
 def _column_backward_op(grads: list[torch.Tensor], x_all: torch.Tensor, weights: list[torch.Tensor],
-                        group: str, tp: int) -> list[torch.Tensor]:
-    return _column_backward(grads, x_all, weights, group, tp)
+                        group: str, tp: int, copy_engine: bool) -> list[torch.Tensor]:
+    return _column_backward(grads, x_all, weights, group, tp, copy_engine)
 
 
 @_column_backward_op.register_fake
-def _(grads, x_all, weights, group, tp):
+def _(grads, x_all, weights, group, tp, copy_engine):
     dx = x_all.new_empty(x_all.shape[0], x_all.shape[1] // tp, *x_all.shape[2:])
     return [dx, *(w.new_empty(w.shape) for w in weights)]
 
@@ -225,11 +276,11 @@ class _GatherLinears(torch.autograd.Function):
     saved it (re-gathering it in backward would add an all-gather to the step)."""
 
     @staticmethod
-    def forward(ctx, x, group, sp, *params):
+    def forward(ctx, x, group, sp, copy_engine, *params):
         weights, biases = params[:len(params) // 2], params[len(params) // 2:]
         x_all = funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), 1, group)) if sp else x
         ctx.save_for_backward(x_all, *weights)
-        ctx.group, ctx.tp = group, x_all.shape[1] // x.shape[1]
+        ctx.group, ctx.tp, ctx.copy_engine = group, x_all.shape[1] // x.shape[1], copy_engine
         ctx.biases = [b is not None for b in biases]
         return tuple(F.linear(x_all, w, b) for w, b in zip(weights, biases))
 
@@ -237,10 +288,11 @@ class _GatherLinears(torch.autograd.Function):
     def backward(ctx, *grads):
         x_all, *weights = ctx.saved_tensors
         column_backward = _column_backward_op if torch.compiler.is_compiling() else _column_backward
-        dx, *dws = column_backward([g.contiguous() for g in grads], x_all, weights, ctx.group, ctx.tp)
+        dx, *dws = column_backward([g.contiguous() for g in grads], x_all, weights, ctx.group, ctx.tp,
+                                   ctx.copy_engine)
         dbs = [g.flatten(0, -2).sum(0) if has else None for g, has in zip(grads, ctx.biases)]
-        dws = [dw if need else None for dw, need in zip(dws, ctx.needs_input_grad[3:])]
-        return (dx, None, None, *dws, *dbs)
+        dws = [dw if need else None for dw, need in zip(dws, ctx.needs_input_grad[4:])]
+        return (dx, None, None, None, *dws, *dbs)
 
 
 class GatherLinears(ParallelStyle):
@@ -249,10 +301,16 @@ class GatherLinears(ParallelStyle):
     (this rank's 1/tp of the sequence under SP), which all-gathers it once for all of
     them and hides the backward's reduce-scatter (all-reduce without SP) behind their
     weight gradients. The linears keep LocalColwise's placements; their weights and
-    biases are read through `to_local` as there, so their gradients return as DTensors."""
+    biases are read through `to_local` as there, so their gradients return as DTensors.
+    `comm`: "nccl" (funcol's collective) or "copy-engine" (ce_reduce_scatter; SP on CUDA)."""
 
-    def __init__(self, sp: bool, names: tuple[str, ...]):
-        self.sp, self.names = sp, names
+    def __init__(self, sp: bool, names: tuple[str, ...], comm: str = "nccl"):
+        if comm not in ("nccl", "copy-engine"):
+            raise ValueError(f"GatherLinears: comm is nccl or copy-engine, not {comm!r}")
+        if comm == "copy-engine" and not sp:
+            raise ValueError("--tp-overlap-comm copy-engine replaces sequence parallelism's reduce-scatter: "
+                             "it needs --sp")
+        self.sp, self.names, self.comm = sp, names, comm
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         if not callable(getattr(module, "in_proj", None)):
@@ -260,11 +318,13 @@ class GatherLinears(ParallelStyle):
         linears = [getattr(module, n) for n in self.names]
         for linear in linears:
             _check_linear(self, linear)
-        group, sp = _group(mesh), self.sp
+        group, sp, copy_engine = _group(mesh), self.sp, self.comm == "copy-engine"
+        if copy_engine:
+            enable_copy_engine(group, mesh.device_type)
 
         def in_proj(mod, x):
             params = [_local(m.weight) for m in linears] + [_local(m.bias) for m in linears]
-            return _GatherLinears.apply(x, group, sp, *params)
+            return _GatherLinears.apply(x, group, sp, copy_engine, *params)
         module.in_proj = types.MethodType(in_proj, module)
         return module
 

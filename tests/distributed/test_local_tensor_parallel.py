@@ -78,7 +78,7 @@ def _gather_linears_against_plain(rank, world, sp, bias):
     for fused in (False, True):
         xi, wi, bi = x.clone().requires_grad_(), mine(ws), mine(bs) if bias else [None] * 3
         if fused:
-            ys = _GatherLinears.apply(xi, group, sp, *wi, *bi)
+            ys = _GatherLinears.apply(xi, group, sp, False, *wi, *bi)
         else:
             xg = gather_seq(xi, group) if sp else xi
             ys = [torch.nn.functional.linear(xg, w, b) for w, b in zip(wi, bi)]

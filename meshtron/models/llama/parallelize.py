@@ -46,14 +46,15 @@ def check_layout(cfg, degrees: dict[str, int], parallel: ParallelConfig, seq_len
 
 
 def tp_plan(model: nn.Module, sp: bool, loss_parallel: bool, moe: bool = False, local: bool = False,
-            overlap: bool = False) -> dict:
+            overlap: bool = False, overlap_comm: str = "nccl") -> dict:
     """Megatron's plan on torchtitan's module names: wq, wk, wv and w1, w3
     column-parallel (whole heads of q and of k/v per rank), wo and w2 row-parallel.
     `local` (dense blocks only): the blocks compute on local tensors
     (local_tensor_parallel.py); the embedding, the final norm and the head keep the
     DTensor styles, whose outputs the pipeline and the losses take. `overlap` (with
     `local`): each block's gather and its column-parallel linears are one function
-    whose backward hides the gather's reduce-scatter behind the weight gradients."""
+    whose backward hides the gather's reduce-scatter behind the weight gradients, moved
+    by `overlap_comm` (nccl or copy-engine: GatherLinears)."""
     seq = Shard(1) if sp else Replicate()
     norm = SequenceParallel() if sp else ReplicateParallel()
     plan = {
@@ -83,8 +84,8 @@ def tp_plan(model: nn.Module, sp: bool, loss_parallel: bool, moe: bool = False, 
                  "layers.*.feed_forward.w1": LocalColwise(), "layers.*.feed_forward.w3": LocalColwise(),
                  "layers.*.feed_forward.w2": LocalRowwise(sp)}
         if overlap:
-            plan |= {"layers.*.attention": GatherLinears(sp, ("wq", "wk", "wv")),
-                     "layers.*.feed_forward": GatherLinears(sp, ("w1", "w3"))}
+            plan |= {"layers.*.attention": GatherLinears(sp, ("wq", "wk", "wv"), overlap_comm),
+                     "layers.*.feed_forward": GatherLinears(sp, ("w1", "w3"), overlap_comm)}
     present = {n for n, m in model.named_modules() if m is not None}
     return {k: v for k, v in plan.items() if any(matches(k, n) for n in present)}
 
@@ -93,7 +94,8 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig, moe: 
     tp_mesh, sp = tp_mesh_of(mesh), parallel.sp
     # FP8's and async TP's styles, and the MoE blocks' routing, work on DTensors: those keep DTensor blocks
     local = parallel.fp8 == "none" and not parallel.async_tp and not moe
-    plan = fp8_tp_plan(tp_plan(model, sp, parallel.loss_parallel, bool(moe), local, parallel.tp_overlap),
+    plan = fp8_tp_plan(tp_plan(model, sp, parallel.loss_parallel, bool(moe), local, parallel.tp_overlap,
+                               parallel.tp_overlap_comm),
                        model, mesh, parallel)
     parallelize_module(model, tp_mesh, async_tp.apply(plan, tp_mesh, parallel), leave=moe)
     if sp:
