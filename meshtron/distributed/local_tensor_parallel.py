@@ -199,26 +199,35 @@ def enable_copy_engine(group: str, device_type: str) -> None:
         enable_symm_mem_for_group(group)
 
 
-def ce_reduce_scatter(chunks: torch.Tensor, group: str):
-    """Start a sum-reduce-scatter of `chunks` (tp equal blocks along dim 0, block r for
-    rank r) on a side stream: each block is pushed into its rank's symmetric-memory
-    workspace with cudaMemcpy (the copy engines, no SMs), then the tp blocks that
-    arrived are summed. Returns (result, stream): the result is valid once the caller's
-    stream has waited on `stream`; `chunks` must stay alive until then."""
+def ce_reduce_scatter(x: torch.Tensor, group: str):
+    """Start a sum-reduce-scatter of `x` (B, T, ...) over dim 1 (rank r keeps the sum of
+    every rank's x[:, r*T/tp:(r+1)*T/tp]) on a high-priority side stream: each rank pushes
+    its block for every peer into that peer's symmetric-memory workspace, one cudaMemcpy
+    (the copy engines, no SMs) per row of dim 0, then adds what arrived to its own block
+    (one elementwise kernel). Returns (result, stream): the result is valid once the
+    caller's stream has waited on `stream`; `x` must stay alive until then."""
     from torch.distributed._symmetric_memory import get_symm_mem_workspace
-    ws = get_symm_mem_workspace(group, chunks.numel() * chunks.element_size())
+    if not x.is_contiguous():
+        raise ValueError("ce_reduce_scatter needs a contiguous input")
+    ws = get_symm_mem_workspace(group, x.numel() * x.element_size())
     rank, tp = ws.rank, ws.world_size
-    parts = chunks.chunk(tp)
-    n = parts[0].numel()
-    stream = _side_streams.setdefault(chunks.device.index, torch.cuda.Stream(chunks.device))
-    stream.wait_stream(torch.cuda.current_stream(chunks.device))
+    blocks = x.chunk(tp, dim=1)
+    shape, n = blocks[0].shape, blocks[0].numel()
+    stream = _side_streams.get(x.device.index)
+    if stream is None:
+        stream = _side_streams[x.device.index] = torch.cuda.Stream(x.device, priority=-1)
+    stream.wait_stream(torch.cuda.current_stream(x.device))
     with torch.cuda.stream(stream):
         ws.barrier()                     # every rank done reading its workspace from the last call
-        for step in range(tp):
-            peer = (rank - step) % tp
-            ws.get_buffer(peer, parts[0].shape, parts[0].dtype, n * rank).copy_(parts[peer])
-        ws.barrier()                     # every rank's block has landed here
-        out = ws.get_buffer(rank, chunks.shape, chunks.dtype).unflatten(0, (tp, -1)).sum(0)
+        for step in range(1, tp):
+            peer = (rank + step) % tp
+            dst = ws.get_buffer(peer, shape, x.dtype, n * rank)
+            for b in range(shape[0]):
+                dst[b].copy_(blocks[peer][b])
+        ws.barrier()                     # every peer's block has landed here
+        out = blocks[rank] + ws.get_buffer(rank, shape, x.dtype, n * ((rank + 1) % tp))
+        for step in range(2, tp):
+            out += ws.get_buffer(rank, shape, x.dtype, n * ((rank + step) % tp))
     return out, stream
 
 
@@ -235,16 +244,16 @@ def _column_backward(grads: list[torch.Tensor], x_all: torch.Tensor, weights: li
     for g, w in zip(g2[1:], weights[1:]):
         dx.addmm_(g, w)
     dx = dx.view_as(x_all)
+    if tp > 1 and copy_engine:
+        out, stream = ce_reduce_scatter(dx, group)
+        x2 = x_all.flatten(0, -2)
+        dws = [g.t() @ x2 for g in g2]
+        main = torch.cuda.current_stream(out.device)
+        main.wait_stream(stream)
+        out.record_stream(main)
+        return [out, *dws]
     if tp > 1:   # each rank's sequence chunk first: the reduce-scatter splits dim 0
         chunks = dx.unflatten(1, (tp, -1)).transpose(0, 1).flatten(0, 1).contiguous()
-        if copy_engine:
-            out, stream = ce_reduce_scatter(chunks, group)
-            x2 = x_all.flatten(0, -2)
-            dws = [g.t() @ x2 for g in g2]
-            torch.cuda.current_stream(out.device).wait_stream(stream)
-            out.record_stream(torch.cuda.current_stream(out.device))
-            del chunks
-            return [out, *dws]
         pending = torch.ops._c10d_functional.reduce_scatter_tensor(chunks, "sum", tp, group)
     else:
         pending = torch.ops._c10d_functional.all_reduce(dx, "sum", group)

@@ -207,3 +207,33 @@ def test_a_compiled_tp2_sp_run_matches_the_eager_one(pools):
     eager, _ = pools.run(2, train, argv)
     compiled, _ = pools.run(2, train, argv + ["--compile"], timeout=300)
     assert compiled == pytest.approx(eager, rel=1e-4), (compiled, eager)
+
+
+def test_copy_engine_overlap_is_refused_off_cuda_and_without_sp():
+    """--tp-overlap-comm copy-engine: CUDA only (a CPU mesh is refused when the plan is applied,
+    with the flag to leave out), and only with --tp-overlap and --sp (refused by the config)."""
+    import types
+
+    from meshtron.config import Config, ConfigError
+    from meshtron.models import PRESETS
+
+    class Attn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wq = torch.nn.Linear(4, 4)
+
+        def in_proj(self, x):
+            return (self.wq(x),)
+    cpu_mesh = types.SimpleNamespace(device_type="cpu", get_group=lambda: types.SimpleNamespace(group_name="0"))
+    with pytest.raises(ValueError, match="copy-engine .* needs CUDA, not cpu; leave it at nccl"):
+        GatherLinears(True, ("wq",), "copy-engine")._apply(Attn(), cpu_mesh)
+    with pytest.raises(ValueError, match="needs --sp"):
+        GatherLinears(False, ("wq",), "copy-engine")
+    with pytest.raises(ValueError, match="comm is nccl or copy-engine"):
+        GatherLinears(True, ("wq",), "nvshmem")
+    for argv, match in ((["--tp-overlap-comm", "copy-engine"], "needs --tp-overlap and --sp"),
+                        (["--tp-overlap", "--tp-overlap-comm", "copy-engine", "--compile", "--cuda-graphs"],
+                         "with --cuda-graphs is not supported")):
+        with pytest.raises(ConfigError, match=match):
+            Config.from_args(["--model", "llama-tiny", "--tp", "2", "--sp", *argv],
+                             models=PRESETS).validate(world_size=2)
