@@ -1,5 +1,5 @@
 #!/bin/bash
-# tp2 + SP's overlapped reduce-scatter over copy engines, 2 x H100; from the repo root (carry .peer):
+# tp2 + SP's overlapped reduce-scatter over copy engines, kind nvidia-h100-x2 (ran on two H200s); from the repo root (carry .peer):
 #   bash benchmarks/results/2026-11-28-2xh100-ce/run.sh
 # 1. benchmarks/bench_ce_collectives.py: NCCL's against copy-engine reduce-scatter / all-gather at
 #    tp2 + SP's sizes, alone and beside bf16 matmuls on another stream.
