@@ -244,7 +244,9 @@ SUITES = {
 
 
 def _peer_result(job: Job, log: str) -> dict:
-    lines = [line for line in open(log, errors="replace") if re.search(r"step: *\d+ +loss", line)]
+    # the kit's closing summary repeats its last step's line: only what comes before it
+    steps = open(log, errors="replace").read().split("=== summary")[0]
+    lines = [line for line in steps.splitlines() if re.search(r"step: *\d+ +loss", line)]
 
     def num(key, line):
         m = re.search(key + r":\s*([\d,.]+)", line)
@@ -275,7 +277,7 @@ def run_job(job: Job, devices: list[int], out: str, args) -> dict:
     tag = re.sub(r"[^A-Za-z0-9_.-]+", "_", job.name)
     log = os.path.join(out, f"{tag}.log")
     if job.is_peer:
-        env |= {"STEPS": str(args.steps), "OUT": ""}
+        env |= {"STEPS": str(args.steps), "OUT": "", "TAIL": "1000"}   # every logged step, not the kit's last 4
         cmd = ["bash", os.path.join(ROOT, ".peer", "run.sh"), job.layout]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(job.gpus),

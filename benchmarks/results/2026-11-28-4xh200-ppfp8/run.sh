@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 41 on 4 x H100, llama-1B untied, sequence 2048, compiled; from the repo root (carry .peer):
-#   bash benchmarks/results/2026-11-28-4xh100-ppfp8/run.sh pp     (call 1)
-#   bash benchmarks/results/2026-11-28-4xh100-ppfp8/run.sh fp8    (call 2)
+#   bash benchmarks/results/2026-11-28-4xh200-ppfp8/run.sh pp     (call 1)
+#   bash benchmarks/results/2026-11-28-4xh200-ppfp8/run.sh fp8    (call 2)
 # pp: pp2 x tp2 + SP 1F1B with --cuda-graphs, micro-batch 4, one job at a time, each its own process:
 #   pp2tp2_1f1b_compile+graphs:40    10 micro-batches (formula bubble 1/11)
 #   pp2tp2_1f1b_compile+graphs:48    12 micro-batches (1/13)
