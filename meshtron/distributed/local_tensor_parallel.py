@@ -183,9 +183,6 @@ class LocalNorm(ParallelStyle):
         return module
 
 
-_side_streams: dict[int, torch.cuda.Stream] = {}
-
-
 def enable_copy_engine(group: str, device_type: str) -> None:
     """Let the tp group run ce_reduce_scatter: symmetric memory on, CUDA only."""
     if device_type != "cuda":
@@ -213,9 +210,7 @@ def ce_reduce_scatter(x: torch.Tensor, group: str):
     rank, tp = ws.rank, ws.world_size
     blocks = x.chunk(tp, dim=1)
     shape, n = blocks[0].shape, blocks[0].numel()
-    stream = _side_streams.get(x.device.index)
-    if stream is None:
-        stream = _side_streams[x.device.index] = torch.cuda.Stream(x.device, priority=-1)
+    stream = torch.cuda.Stream(x.device, priority=-1)   # the next of torch's pool of high-priority streams
     stream.wait_stream(torch.cuda.current_stream(x.device))
     with torch.cuda.stream(stream):
         ws.barrier()                     # every rank done reading its workspace from the last call
