@@ -70,6 +70,10 @@ CASES = {  # (world, argv, message) -- issue 11, points 4, 5, 7, 8
                                  "--cuda-graphs with --async-tp fails in the first forward on torch 2.11"),
     "cuda graphs and zero 3": (2, ["--dp", "2", "--zero", "3", "--compile", "--cuda-graphs"],
                                "with --zero 3 would hold every block's gathered weights: use --zero 2"),
+    "copy-engine collectives on CPUs": (2, ["--model", "llama-tiny", "--tp", "2", "--sp", "--tp-overlap",
+                                            "--tp-overlap-comm", "copy-engine"],
+                                        "--tp-overlap-comm copy-engine moves the reduce-scatter with CUDA copy "
+                                        "engines over symmetric memory: it needs CUDA, not cpu"),
     "split backward and zero 3": (4, ["--dp", "2", "--pp", "2", "--pp-schedule", "zbv", "--pp-virtual", "2",
                                       "--zero", "3"], "--pp-schedule zbv computes weight gradients outside FSDP's"),
 }

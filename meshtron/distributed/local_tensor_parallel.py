@@ -183,11 +183,16 @@ class LocalNorm(ParallelStyle):
         return module
 
 
-def enable_copy_engine(group: str, device_type: str) -> None:
-    """Let the tp group run ce_reduce_scatter: symmetric memory on, CUDA only."""
-    if device_type != "cuda":
+def check_comm(comm: str, device_type: str) -> None:
+    """--tp-overlap-comm copy-engine moves bytes with CUDA's copy engines: refuse it elsewhere."""
+    if comm == "copy-engine" and device_type != "cuda":
         raise ValueError(f"--tp-overlap-comm copy-engine moves the reduce-scatter with CUDA copy engines over "
                          f"symmetric memory: it needs CUDA, not {device_type}; leave it at nccl")
+
+
+def enable_copy_engine(group: str, device_type: str) -> None:
+    """Let the tp group run ce_reduce_scatter: symmetric memory on, CUDA only."""
+    check_comm("copy-engine", device_type)
     import warnings
 
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group

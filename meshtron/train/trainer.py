@@ -28,7 +28,7 @@ import torch.nn as nn
 from meshtron.config import Config, ConfigError
 from meshtron.data import BatchLoader, open_data
 from meshtron.data.sources import is_text
-from meshtron.distributed import cuda_graphs
+from meshtron.distributed import cuda_graphs, local_tensor_parallel
 from meshtron.distributed.agree import agree
 from meshtron.distributed.context_parallel import shard_sequence
 from meshtron.distributed.data_parallel import autocast_dtype, reshard
@@ -96,6 +96,7 @@ class Trainer:
             self.spec, self.model_config, degrees, self.microbatches, self.global_batch = resolve_layout(
                 c, world_size())   # the config, then the layout against the model
             cuda_graphs.check_device(c.parallel.cuda_graphs, default_device_type())
+            local_tensor_parallel.check_comm(c.parallel.tp_overlap_comm, default_device_type())
             self.run_log = RunLog(self.rank, c.training.metrics_file, c.training.tensorboard, verbose)
             data = self._open_data()
             # what to resume, read before the directory is locked or cleared: a directory of
