@@ -30,8 +30,10 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
+import gzip
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -463,8 +465,10 @@ def measure(name: str, recipe_flags: list[str], args) -> dict:
     if args.check_replicas:
         result["replica_spread"] = replica_spread(trainer.parts)
     if args.profile_steps:
+        tag = f"{name}_w{world}_r{dist.get_rank()}"
         result["profile"] = profile(lambda i: step(*batches[i % len(batches)]), args.profile_steps, device,
-                                    os.path.join(args.out, f"profile_{name}_w{world}_r{dist.get_rank()}.txt"))
+                                    os.path.join(args.out, f"profile_{tag}.txt"),
+                                    os.path.join(args.out, f"trace_{tag}.json.gz") if args.trace else None)
         if config.parallel.pp > 1:
             bubble(result, config.parallel, trainer.microbatches, world, device)
     trainer = batches = step = trace = None    # the closures hold them too: drop every reference, then collect
@@ -506,9 +510,10 @@ KINDS = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "attention", "sdpa
          ("elementwise", ("elementwise", "reduce_kernel", "vectorized", "embedding", "index")))
 
 
-def profile(step, n: int, device, path: str) -> dict:
+def profile(step, n: int, device, path: str, trace: str | None = None) -> dict:
     """GPU kernel time per step by kind, the busy union, the communication time and
-    the part of it no compute kernel overlaps (exposed); the top kernels to `path`."""
+    the part of it no compute kernel overlaps (exposed); the top kernels to `path`,
+    and the timeline to `trace` (a gzipped Chrome trace) if given."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -519,6 +524,11 @@ def profile(step, n: int, device, path: str) -> dict:
             step(i)
         sync(device)
     wall = (time.perf_counter() - t0) / n * 1e3
+    if trace:
+        prof.export_chrome_trace(trace[:-len(".gz")])
+        with open(trace[:-len(".gz")], "rb") as f, gzip.open(trace, "wb") as g:
+            shutil.copyfileobj(f, g)
+        os.remove(trace[:-len(".gz")])
     # kernels and copies only: record_function ranges (a collective's annotation) show on the GPU too
     kernels = [e for e in prof.events()
                if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
@@ -687,6 +697,8 @@ def main():
     p.add_argument("--steps", type=int, default=4, help="steps per timed round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--profile-steps", type=int, default=0, help="then profile this many steps: kernel time by kind")
+    p.add_argument("--trace", action="store_true", help="with --profile-steps: also write the profiled steps' "
+                   "timeline, a Chrome trace per rank (trace_<layout>_w<world>_r<rank>.json.gz)")
     p.add_argument("--sdpa", default="default", choices=["default", "cudnn", "flash"],
                    help="attention backend preferred around each step (an experiment's knob)")
     p.add_argument("--sync-steps", action="store_true", help="synchronize the GPU after every step")
