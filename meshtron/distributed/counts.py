@@ -20,7 +20,8 @@ def counts(ids: torch.Tensor, n: int) -> torch.Tensor:
 
 def host_counts(c: torch.Tensor, total: int) -> list[int]:
     """c.tolist(); for a fake tensor, `total` spread evenly over its entries."""
-    if is_fake(c):
+    # is_compiling first: dynamo does not trace is_fake, and would break the graph once more
+    if not torch.compiler.is_compiling() and is_fake(c):
         n = c.numel()
         return [total // n + (i < total % n) for i in range(n)]
     return c.tolist()

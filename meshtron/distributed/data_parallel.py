@@ -107,7 +107,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, blocks: list[nn.Module], zero
     """Shard each block (the transformer layers: one FSDP unit, one all-gather,
     each), then the root (embedding, final norm, output). Expert weights (Shard(0)
     over ep) are units of their own over expert_dp (dp x cp; expert_parallel.py
-    divides their gradients by the ep factor FSDP does not). `dp_mesh`: the mesh
+    divides their gradients by the ep factor FSDP does not); where expert_dp is one
+    rank, below zero 3, no unit: FSDP ignores them (fp32, cast per use). `dp_mesh`: the mesh
     dp_mesh_for gives, when the caller has built it already (for another part).
     `prefetch`: blocks all-gathered ahead (set_prefetch); `keep_last`: under zero 3,
     the last blocks stay gathered from their forward to their backward."""
@@ -115,15 +116,26 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, blocks: list[nn.Module], zero
         dp_mesh = dp_mesh_for(mesh, zero_stage, hsdp)
     reshard = zero_stage == 3
     policy = mp_policy(param_dtype, reduce_dtype)
+    expert_mesh = submesh(mesh, "expert_dp")
+    ignored = set()
     for e in experts:
-        fully_shard(e, mesh=submesh(mesh, "expert_dp"), reshard_after_forward=reshard, mp_policy=policy)
+        if expert_mesh.size() == 1 and not reshard:
+            # nothing to shard or reduce: FSDP would only cast, copy in and out of its
+            # buffers, and break a compiled block at its hooks. The fp32 weights stay as
+            # they are; grouped_mm casts them to the activations' dtype per use, and
+            # their gradients come back fp32. (zero 3 keeps FSDP: it frees that cast.)
+            ignored.update(e.parameters())
+        else:
+            fully_shard(e, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    ignored = ignored or None
     for i, block in enumerate(blocks):
         # a block near the end is used again by the backward soon after its forward
         keep = i >= len(blocks) - keep_last
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard and not keep, mp_policy=policy)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard and not keep, mp_policy=policy,
+                    ignored_params=ignored)
     # the root's parameters are used last in forward and first in backward:
     # resharding them after forward only to gather them again at once is waste
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy, ignored_params=ignored)
     set_prefetch(blocks, prefetch)
     return model
 
