@@ -155,8 +155,26 @@ def _forward_prefetch_1():
     data_parallel.set_prefetch = explicit
 
 
+def _experts_fsdp():
+    """Every experts module an FSDP unit of its own, also over a one-rank expert_dp (before 7e03ec0)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from meshtron.distributed import data_parallel, parallelize
+    from meshtron.distributed.mesh import submesh
+    apply_fsdp = parallelize.apply_fsdp
+
+    def units(model, mesh, blocks, zero_stage=3, hsdp=1, param_dtype="fp32", reduce_dtype="fp32", experts=(),
+              *args, **kwargs):
+        for e in experts:
+            fully_shard(e, mesh=submesh(mesh, "expert_dp"), reshard_after_forward=zero_stage == 3,
+                        mp_policy=data_parallel.mp_policy(param_dtype, reduce_dtype))
+        return apply_fsdp(model, mesh, blocks, zero_stage, hsdp, param_dtype, reduce_dtype, (), *args, **kwargs)
+    parallelize.apply_fsdp = units
+
+
 EXPERIMENTS = {  # code paths other than the shipped ones (replaced or proposed), measured against them in one run
     "fsdp-forward-prefetch-1": _forward_prefetch_1,
+    "experts-fsdp": _experts_fsdp,
     "fp8-fp8-gather": _fp8_fp8_gather,
     "split-even": _split_even,
     "sac-save-sdpa": _sac_save_sdpa,
