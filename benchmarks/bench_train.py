@@ -99,6 +99,7 @@ LAYOUTS = {  # name: (GPUs, recipe flags); bf16 compute, fp32 master weights and
     "ep2": (2, ["--ep", "2", "--zero", "1"]),            # mixture-of-experts presets: experts over ep
     "ep2_zero2": (2, ["--ep", "2", "--zero", "2"]),      # a layout's flags follow the command line's: --zero here
     "ep2_zero2_padded": (2, ["--ep", "2", "--zero", "2", "--moe-dispatch", "padded"]),   # no host sync
+    "ep2_padded": (2, ["--ep", "2", "--zero", "1", "--moe-dispatch", "padded"]),
     "ep2_zero2_overlap": (2, ["--ep", "2", "--zero", "2", "--moe-dispatch", "overlap"]),   # a2a beside the GEMMs
     "ep2_zero2_pf2": (2, ["--ep", "2", "--zero", "2", "--fsdp-prefetch", "2"]),   # all-gathers 2 blocks ahead
     "ep2_zero2_overlap_pf2": (2, ["--ep", "2", "--zero", "2", "--moe-dispatch", "overlap", "--fsdp-prefetch", "2"]),
