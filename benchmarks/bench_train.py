@@ -98,8 +98,10 @@ LAYOUTS = {  # name: (GPUs, recipe flags); bf16 compute, fp32 master weights and
     "cp4_a2a": (4, ["--cp", "4", "--cp-comm", "a2a"]),
     "ep2": (2, ["--ep", "2", "--zero", "1"]),            # mixture-of-experts presets: experts over ep
     "ep2_zero2": (2, ["--ep", "2", "--zero", "2"]),      # a layout's flags follow the command line's: --zero here
+    "ep2_zero0": (2, ["--ep", "2", "--zero", "0"]),      # DDP for the dense weights: no forward all-gathers
     "ep2_zero2_padded": (2, ["--ep", "2", "--zero", "2", "--moe-dispatch", "padded"]),   # no host sync
     "ep2_padded": (2, ["--ep", "2", "--zero", "1", "--moe-dispatch", "padded"]),
+    "ep2_exact": (2, ["--ep", "2", "--zero", "1", "--moe-dispatch", "exact"]),   # the default (auto) at ep2 is padded
     "ep2_zero2_overlap": (2, ["--ep", "2", "--zero", "2", "--moe-dispatch", "overlap"]),   # a2a beside the GEMMs
     "ep2_zero2_pf2": (2, ["--ep", "2", "--zero", "2", "--fsdp-prefetch", "2"]),   # all-gathers 2 blocks ahead
     "ep2_zero2_overlap_pf2": (2, ["--ep", "2", "--zero", "2", "--moe-dispatch", "overlap", "--fsdp-prefetch", "2"]),

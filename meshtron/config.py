@@ -98,14 +98,13 @@ class ParallelConfig:
      "symmetric memory, then summed; benchmarks/RESULTS.md)")
     cp_comm: str = field(default="p2p", metadata={"choices": ("p2p", "allgather", "a2a")})
     """context-parallel attention: p2p (ring), allgather (K/V) or a2a (Ulysses, heads)"""
-    moe_dispatch: str = field(default="exact", metadata={"choices": ("exact", "padded", "overlap")})
+    moe_dispatch: str = field(default="auto", metadata={"choices": ("auto", "exact", "padded", "overlap")})
     ("mixture of experts under --ep: exact all-to-alls (split sizes copied to the host: one device sync "
      "per layer), padded ones (equal splits of every rank's copies: no host sync, ep x the all-to-all "
-     "bytes and buffers) or overlap (the exact ones in two token chunks, each chunk's all-to-alls beside "
-     "the other's expert GEMMs); measured on two H100s, llama-moe-3B --ep 2 --zero 2: padded slower compiled "
-     "(34.8k against 45.8k tokens/s/GPU), within the rounds' spread eager (35.7k against 33.6k); overlap "
-     "slower compiled (26.7k against 34.5k: the all-to-alls' time is mostly one rank waiting for the other) "
-     "(benchmarks/RESULTS.md)")
+     "bytes and buffers), overlap (the exact ones in two token chunks, each chunk's all-to-alls beside "
+     "the other's expert GEMMs), or auto: padded at --ep 2, exact above. Measured on two H200s, "
+     "llama-moe-3B --ep 2 --compile: padded 1.08-1.10x exact's tokens/s in two calls; overlap slower "
+     "than exact on two H100s (benchmarks/RESULTS.md)")
     loss_parallel: bool = True
     """cross-entropy on vocab-sharded logits under tp (else the logits are gathered)"""
     fused_loss: bool = False
@@ -357,7 +356,7 @@ class Config:
             raise ConfigError("--cuda-graphs keeps FSDP's gathered weights in place between steps (the graphs read "
                               "them where they recorded them), which with --zero 3 would hold every block's "
                               "gathered weights: use --zero 2 (the same sharded gradients and optimizer state)")
-        if p.moe_dispatch != "exact" and d["ep"] == 1:
+        if p.moe_dispatch not in ("auto", "exact") and d["ep"] == 1:
             raise ConfigError(f"--moe-dispatch {p.moe_dispatch} changes expert parallelism's all-to-alls: it needs "
                               "--ep > 1")
         data = self.data

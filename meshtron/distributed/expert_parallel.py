@@ -251,9 +251,17 @@ class OverlappedAllToAllDispatch(nn.Module):
 DISPATCHES = {"exact": AllToAllDispatch, "padded": PaddedAllToAllDispatch, "overlap": OverlappedAllToAllDispatch}
 
 
-def apply_moe(moe_blocks: list[nn.Module], mesh: DeviceMesh, dispatch: str = "exact") -> None:
+def dispatch_of(name: str, ep: int) -> str:
+    """The dispatch `name` (--moe-dispatch) runs at expert-parallel degree ep: auto is
+    padded at ep 2, where its twice the exact bytes cost less than a host sync per
+    layer (benchmarks/RESULTS.md, Mixture of experts), and exact above, where the
+    padding grows with ep."""
+    return ("padded" if ep == 2 else "exact") if name == "auto" else name
+
+
+def apply_moe(moe_blocks: list[nn.Module], mesh: DeviceMesh, dispatch: str = "auto") -> None:
     """Lay out MoE blocks on the mesh: expert weights Shard(0) over ep and an
-    all-to-all dispatch (`dispatch`: DISPATCHES) when ep > 1; routing statistics
+    all-to-all dispatch (`dispatch`: dispatch_of's) when ep > 1; routing statistics
     summed over the ranks with other tokens, each sequence's parts gathered over
     cp. Call before tensor parallelism, which then leaves them as they are."""
     ep = degree(mesh, "ep")
@@ -266,7 +274,7 @@ def apply_moe(moe_blocks: list[nn.Module], mesh: DeviceMesh, dispatch: str = "ex
             for pname, p in list(moe.experts.named_parameters(recurse=False)):
                 moe.experts.register_parameter(pname, nn.Parameter(
                     distribute_tensor(p, mesh["ep"], [Shard(0)], src_data_rank=None), p.requires_grad))
-            moe.dispatch = DISPATCHES[dispatch](mesh["ep"])
+            moe.dispatch = DISPATCHES[dispatch_of(dispatch, ep)](mesh["ep"])
             # the loss carries the dp x cp x ep factor that FSDP divides out; FSDP over
             # expert_dp divides expert gradients by dp x cp: the rest, 1/ep, here
             moe.experts.forward = functools.partial(local_experts, moe.experts, grad_scale=1.0 / ep)

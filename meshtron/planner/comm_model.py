@@ -52,6 +52,7 @@ import functools
 import math
 
 from meshtron.distributed.data_parallel import DTYPES
+from meshtron.distributed.expert_parallel import dispatch_of
 from meshtron.distributed.fused_loss import default_chunk
 from meshtron.distributed.mesh import AXES, SUBMESHES
 from meshtron.distributed.pipeline_parallel import stage_ids_of, stage_owner
@@ -246,7 +247,7 @@ def _moe_blocks(t: _Tally, s: _Step, blocks: int) -> None:
         t.add("all_gather", seq, tokens * k * 8, m * (1 + refwd), part="cp")
     if s.d["ep"] > 1:
         t.add("all_to_all", "ep", 8 * E, m * (1 + refwd), part="ep")
-        blocks_sent = s.d["ep"] if s.par.moe_dispatch == "padded" else 1
+        blocks_sent = s.d["ep"] if dispatch_of(s.par.moe_dispatch, s.d["ep"]) == "padded" else 1
         t.add("all_to_all", "ep", blocks_sent * tokens * k * s.cfg.dim * s.a, m * (4 + 2 * refwd), part="ep")
 
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 from meshtron import models
 from meshtron.config import ParallelConfig
+from meshtron.distributed.expert_parallel import dispatch_of
 from meshtron.distributed.fused_loss import default_chunk
 from meshtron.distributed.mesh import AXES
 from meshtron.distributed.pipeline_parallel import bubble_fraction, check_pipeline
@@ -168,7 +169,7 @@ def _layer_elements(cfg, t: int, sp: bool, routed_blocks: int = 1) -> float:
 
 def _routed_blocks(par: ParallelConfig) -> int:
     """The blocks of rows an MoE block's experts take per copy: ep under the padded dispatch."""
-    return par.ep if par.moe_dispatch == "padded" and par.ep > 1 else 1
+    return par.ep if par.ep > 1 and dispatch_of(par.moe_dispatch, par.ep) == "padded" else 1
 
 
 def activation_bytes(cfg, par: ParallelConfig, micro_batch: int, seq_len: int, layers: int, head: bool = True) -> float:

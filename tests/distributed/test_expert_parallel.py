@@ -64,9 +64,10 @@ LAYOUTS = {"ep2": (2, dict(dp=1, ep=2), None),
            "cp2 x ep2": (4, dict(dp=1, cp=2, ep=2), None),
            "dp2 x tp2 (no sp)": (4, dict(dp=2, tp=2), dict(zero=2)),
            "ep2 recompute": (2, dict(dp=1, ep=2), dict(recompute="full")),
-           # the padded dispatch (equal splits, no host sync) in training; one block of it equals
-           # the exact dispatch's bit for bit at ep2 and ep4 (test_the_padded_dispatch_equals_the_exact_one)
-           "ep2 padded": (2, dict(dp=1, ep=2), dict(moe_dispatch="padded")),
+           # the default (auto) dispatch is the padded one at ep2, the exact one at ep4: the exact
+           # one at ep2 too (one block of each equals the other's bit for bit at ep2 and ep4:
+           # test_the_padded_dispatch_equals_the_exact_one)
+           "ep2 exact": (2, dict(dp=1, ep=2), dict(moe_dispatch="exact")),
            # the overlapped dispatch (two chunks, each one's all-to-alls beside the other's experts);
            # under ZeRO-3 the experts' FSDP unit runs twice a forward (once per chunk)
            "ep2 overlap": (2, dict(dp=1, ep=2), dict(moe_dispatch="overlap")),
