@@ -103,7 +103,7 @@ class ParallelConfig:
      "per layer), padded ones (equal splits of every rank's copies: no host sync, ep x the all-to-all "
      "bytes and buffers), overlap (the exact ones in two token chunks, each chunk's all-to-alls beside "
      "the other's expert GEMMs), or auto: padded at --ep 2, exact above. Measured on two H200s, "
-     "llama-moe-3B --ep 2 --compile: padded 1.08-1.10x exact's tokens/s in two calls; overlap slower "
+     "llama-moe-3B --ep 2 --compile: padded 1.08-1.16x exact's tokens/s in three calls; overlap slower "
      "than exact on two H100s (benchmarks/RESULTS.md)")
     loss_parallel: bool = True
     """cross-entropy on vocab-sharded logits under tp (else the logits are gathered)"""

@@ -253,6 +253,27 @@ def test_one_moe_layer_communicates_one_count_exchange_and_two_all_to_alls(pools
     assert a2a(fwd) == a2a(bwd) == 0, (fwd, bwd)
 
 
+def _experts_unit(rank, world, degrees, zero):
+    """(is each experts module an FSDP unit, its weight's dtype, its gradient's dtype) after
+    one bf16 forward and backward of the tiny MoE GPT under the layout."""
+    from torch.distributed.fsdp import FSDPModule
+    me = mesh(**degrees)
+    model = GPT(GPT_CFG, seed=0)
+    GPT_SPEC.parallelize(model, me, ParallelConfig(ep=degrees.get("ep", 1), zero=zero, dtype="bf16"))
+    model(torch.randint(0, GPT_CFG.vocab_size, (2, SEQ))).float().pow(2).mean().backward()
+    experts = [b.experts for b in model.modules() if isinstance(b, MoE)]
+    return [(isinstance(e, FSDPModule), e.w1.dtype, e.w1.grad.dtype) for e in experts]
+
+
+def test_experts_are_fsdp_units_only_where_expert_dp_shards_them(pools):
+    # ep covering the data-parallel ranks leaves expert_dp one rank: below zero 3 FSDP ignores the
+    # experts (fp32 weights cast per use, fp32 gradients); with dp > 1, or zero 3, they are units
+    for world, degrees, zero, unit in ((2, dict(dp=1, ep=2), 1, False), (2, dict(dp=1, ep=2), 3, True),
+                                       (4, dict(dp=2, ep=2), 1, True)):
+        for rank in pools.run(world, _experts_unit, degrees, zero):
+            assert rank == [(unit, torch.float32, torch.float32)] * len(rank) and rank, (degrees, zero, rank)
+
+
 # ---- the recipe, checkpoints, the model's sizes ---------------------------------------------
 
 # at the preset's routing, batch balancing included (it evens each sequence alone)
