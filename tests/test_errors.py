@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -20,19 +21,27 @@ TINY = ["--model", "tiny", "--seq-len", "32", "--steps", "2", "--micro-batch", "
 
 
 def _expect_error(rank, world, argv, exit_after=None):
-    try:
-        train(rank, world, argv, exit_after)
-    except (ValueError, OSError) as e:
-        return type(e).__name__, str(e), getattr(e, "all_ranks", False)
+    """(the error's type, its message, whether every rank found it, whether the mesh, the
+    first thing that communicates, was built before it)."""
+    from meshtron.train import trainer
+    built = []
+    init_mesh = trainer.init_mesh
+    with mock.patch.object(trainer, "init_mesh", lambda **degrees: built.append(1) or init_mesh(**degrees)):
+        try:
+            train(rank, world, argv, exit_after)
+        except (ValueError, OSError) as e:
+            return type(e).__name__, str(e), getattr(e, "all_ranks", False), bool(built)
     return None
 
 
-def error(pools, world, argv, exit_after=None):
-    """The error every rank raised; the pool must still be healthy afterwards."""
+def error(pools, world, argv, exit_after=None, before_mesh=True):
+    """The error every rank raised; the pool must still be healthy afterwards. `before_mesh`:
+    raised before the mesh was built (no collective but the ranks' agreement ran)."""
     results = pools.run(world, _expect_error, argv, exit_after, timeout=60)
     assert all(r is not None for r in results), results
     assert len({r[1] for r in results}) == 1, results             # the same message on every rank
     assert all(r[2] for r in results)                              # marked as found on every rank
+    assert not before_mesh or not any(r[3] for r in results), results
     return results[0][1]
 
 
@@ -86,7 +95,8 @@ def test_bad_arguments_are_one_clear_error_on_every_rank(pools, case):
 
 
 def test_bad_test_hook_values_are_errors(pools):
-    assert "exit_after must be at least 1, not 0" in error(pools, 1, TINY, exit_after=0)
+    # a test hook, read once the run is built
+    assert "exit_after must be at least 1, not 0" in error(pools, 1, TINY, exit_after=0, before_mesh=False)
 
 
 def test_data_problems_name_the_file(pools, tmp_path):
