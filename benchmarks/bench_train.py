@@ -546,10 +546,11 @@ def profile(step, n: int, device, path: str, trace: str | None = None) -> dict:
         sync(device)
     wall = (time.perf_counter() - t0) / n * 1e3
     if trace:
-        prof.export_chrome_trace(trace[:-len(".gz")])
-        with open(trace[:-len(".gz")], "rb") as f, gzip.open(trace, "wb") as g:
+        raw = trace.removesuffix(".gz")
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as f, gzip.open(trace, "wb") as g:
             shutil.copyfileobj(f, g)
-        os.remove(trace[:-len(".gz")])
+        os.remove(raw)
     # kernels and copies only: record_function ranges (a collective's annotation) show on the GPU too
     kernels = [e for e in prof.events()
                if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
