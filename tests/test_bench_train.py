@@ -17,3 +17,16 @@ def test_stage_busy_counts_tp_collectives_not_pipeline_recv():
                ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 58, 70)]   # its start under compute
     assert bench_train.stage_busy(kernels) == 10 + 10 + 15
     assert bench_train.stage_busy([k for k in kernels if "SendRecv" in k[0]]) == 0
+
+
+def test_profile_writes_the_timeline_when_asked(tmp_path):
+    import gzip
+    import json
+
+    import torch
+    x = torch.randn(64, 64)
+    trace = tmp_path / "trace_r0.json.gz"
+    bench_train.profile(lambda i: x @ x, 1, torch.device("cpu"), str(tmp_path / "profile.txt"), str(trace))
+    names = {e.get("name") for e in json.load(gzip.open(trace))["traceEvents"]}
+    assert "aten::mm" in names, sorted(n for n in names if n)[:20]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["profile.txt", "trace_r0.json.gz"]   # the raw file removed

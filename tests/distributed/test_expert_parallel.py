@@ -153,6 +153,26 @@ def test_the_padded_dispatch_equals_the_exact_one(pools, model):
                        for got in compiled for a, b in zip(got[rank], exact[rank])), (world, rank)
 
 
+def test_the_default_dispatch_is_padded_at_ep2_and_exact_above():
+    from meshtron.distributed.expert_parallel import dispatch_of
+    from meshtron.planner.plan import _routed_blocks
+    assert ParallelConfig().moe_dispatch == "auto"
+    assert [dispatch_of("auto", ep) for ep in (2, 4, 8)] == ["padded", "exact", "exact"]
+    assert [dispatch_of(d, 2) for d in ("exact", "padded", "overlap")] == ["exact", "padded", "overlap"]
+    # the planner counts what runs: ep blocks of rows per copy under the padded dispatch
+    assert [_routed_blocks(ParallelConfig(ep=ep)) for ep in (2, 4)] == [2, 1]
+
+
+def test_host_counts_breaks_a_compiled_graph_only_at_its_copy_to_the_host():
+    # the exact dispatch's one host sync a layer: dynamo breaks at the .tolist() and nowhere
+    # else (it does not trace is_fake, which host_counts asks only outside compilation)
+    from meshtron.distributed.counts import host_counts
+    torch._dynamo.reset()
+    reasons = [r.reason for r in torch._dynamo.explain(lambda c: sum(host_counts(c + 1, 8)))(torch.arange(4))
+               .break_reasons]
+    assert reasons and all(r.startswith("Data dependent operator") for r in reasons), reasons
+
+
 def test_capacity_keeps_the_highest_scores_per_expert():
     g = torch.Generator().manual_seed(1)
     w, e = torch.rand(64, 2, generator=g), torch.randint(0, 8, (64, 2), generator=g)
