@@ -54,6 +54,30 @@ SUITES = {   # world size, [recipe flags]
         ["--pp", "4", "--micro-batch", "2"], ["--dp", "2", "--pp", "2", "--micro-batch", "2"],
         ["--pp", "2", "--tp", "2", "--sp", "--micro-batch", "2"], ["--dp", "2", "--cp", "2", "--micro-batch", "4"],
         ["--dp", "4", "--micro-batch", "4", "--recompute", "full"])]),
+    # shapes a user runs on one GPU, off the fitted rows: long sequences, recompute, fp32, FP8, the
+    # fused loss, the GPT family, MoE; one micro-batch a step unless named
+    "shapes_1gpu": (1, [[*flags[1:], "--global-batch", flags[0]] for flags in (
+        ["2", "--model", "llama-1B", "--seq-len", "8192", "--micro-batch", "2", "--compile"],
+        ["4", "--model", "llama-1B", "--seq-len", "4096", "--micro-batch", "4"],
+        ["1", "--model", "llama-1B", "--seq-len", "16384", "--micro-batch", "1"],
+        ["8", "--model", "llama-1B", "--seq-len", "2048", "--micro-batch", "8", "--fused-loss"],
+        ["2", "--model", "llama-1B", "--seq-len", "2048", "--micro-batch", "2", "--dtype", "fp32"],
+        ["4", "--model", "llama-3B", "--seq-len", "2048", "--micro-batch", "4", "--recompute", "full"],
+        ["4", "--model", "llama-3B", "--seq-len", "4096", "--micro-batch", "2", "--compile"],
+        ["8", "--model", "350M", "--seq-len", "2048", "--micro-batch", "8"],
+        ["8", "--model", "1.3B", "--seq-len", "2048", "--micro-batch", "8", "--compile"],
+        ["4", "--model", "1.3B", "--seq-len", "4096", "--micro-batch", "4", "--recompute", "full"],
+        ["4", "--model", "2.7B", "--seq-len", "2048", "--micro-batch", "4"],
+        ["4", "--model", "llama-moe-3B", "--seq-len", "2048", "--micro-batch", "4"],
+        ["1", "--model", "llama-617M", "--seq-len", "32768", "--micro-batch", "1"],
+        ["4", "--model", "llama-1B", "--seq-len", "4096", "--micro-batch", "2", "--recompute", "full"],
+        ["16", "--model", "125M", "--seq-len", "2048", "--micro-batch", "16"],
+        ["8", "--model", "llama-1B", "--seq-len", "2048", "--micro-batch", "8", "--fp8", "tensorwise", "--compile"],
+        ["8", "--model", "1.3B", "--seq-len", "2048", "--micro-batch", "8", "--fp8", "tensorwise", "--compile"],
+        ["4", "--model", "llama-3B", "--seq-len", "2048", "--micro-batch", "4", "--recompute", "selective",
+         "--compile"],
+        ["4", "--model", "llama-moe-3B", "--seq-len", "2048", "--micro-batch", "4", "--compile"],
+    )]),
 }
 
 
@@ -115,6 +139,7 @@ def main():
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=".")
+    p.add_argument("--budget", type=float, default=None, help="seconds: start no row after BUDGET - 60")
     p.add_argument("--summarize", default=None)
     p.add_argument("--planner-speed", action="store_true", help="time the planner itself on the CPU and exit")
     args = p.parse_args()
@@ -133,8 +158,14 @@ def main():
     gpu = args.gpu or ("h100" if "H100" in torch.cuda.get_device_name() else "h200")
     bench_train.LAYOUTS["plan"] = (world, [])
     args.sdpa, args.experiment, args.profile_steps = "default", "", 0
+    args.memory_phases = args.check_replicas = args.trace = args.sync_steps = False
     os.makedirs(args.out, exist_ok=True)
+    start = time.perf_counter()
     for flags in suite:
+        if args.budget and time.perf_counter() - start > args.budget - 60:
+            bench_train.record(dict(flags=" ".join(flags), error="not run: out of the call's time"),
+                               os.path.join(args.out, "plan.jsonl"))
+            continue
         try:
             r = compare(bench_train.measure("plan", flags, args), flags, world, gpu)
         except Exception as e:  # noqa: BLE001 - record and go on
