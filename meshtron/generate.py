@@ -125,6 +125,23 @@ def load(args, device: torch.device, meta: dict | None = None):
     return model.eval(), cfg, spec
 
 
+def _prompt_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--prompt-ids takes comma-separated integers, not {text!r}") from None
+
+
+def _check_ids(prompt: list[int], vocab_size: int) -> None:
+    """An id outside the vocabulary would otherwise fail deep in the embedding's lookup."""
+    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        e = ValueError(f"--prompt-ids: token id {bad} is outside the model's vocabulary of {vocab_size} "
+                       f"(ids 0 to {vocab_size - 1})")
+        e.all_ranks = True   # every rank checks the same ids: the launcher prints it once
+        raise e
+
+
 def main(argv=None) -> list[int]:
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
@@ -155,8 +172,10 @@ def main(argv=None) -> list[int]:
     tokenizer = None
     if args.prompt is not None or not args.print_ids:   # text in or out
         tokenizer = _tokenizer(args, meta)
-    prompt = [int(t) for t in args.prompt_ids.split(",")] if args.prompt_ids else tokenizer.encode(args.prompt)
+    prompt = _prompt_ids(args.prompt_ids) if args.prompt_ids else tokenizer.encode(args.prompt)
     model, cfg, _ = load(args, device, meta)
+    if args.prompt_ids:
+        _check_ids(prompt, cfg.vocab_size)
     out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, eos=args.eos if args.eos is not None or args.prompt_ids else tokenizer.eot,
                    seed=args.seed,

@@ -379,6 +379,10 @@ def test_a_run_says_what_it_wrote_and_generation_reads_its_directory(tmp_path):
         gen = _generate(*bad, "--prompt", "def ", "--max-new-tokens", "2")
         assert gen.returncode == 1 and len(gen.stderr.strip().splitlines()) == 1, gen.stderr
         assert gen.stderr.startswith(message), gen.stderr
+    # issue 57, point 6: an id past the vocabulary is named, not an IndexError from the embedding
+    gen = _generate("--checkpoint", ck, "--prompt-ids", "5,99999", "--print-ids")
+    assert gen.returncode == 1 and gen.stderr.strip().splitlines() == [
+        "error: --prompt-ids: token id 99999 is outside the model's vocabulary of 320 (ids 0 to 319)"], gen.stderr
 
 
 def test_generation_refuses_text_for_a_checkpoint_trained_on_token_ids(tmp_path):
