@@ -212,6 +212,10 @@ def _run_recipe_saying_imports(args):
     (["--model", "gpt5"], "error: argument --model: invalid choice: 'gpt5' (choose from 'tiny', '125M',"),
     (["--steps", "0"], "error: --steps must be at least 1, not 0"),
     (["--tp", "2"], "error: pp*cp*tp*ep = 1*1*2*1 = 2 does not divide the world size 1: this is one process"),
+    # issue 57, point 6: how to start the ranks, not a --dp that fits one process
+    (["--dp", "2"], "error: mesh dp*pp*cp*tp*ep = 2*1*1*1*1 = 2 does not equal the world size 1: this is one "
+                    "process; start 2 ranks with the launcher in front of the same command, meshtron-run "
+                    "--nproc-per-node 2 SCRIPT FLAGS"),
 ])
 def test_a_command_line_mistake_is_reported_before_torch_is_imported(bad, message):
     # issue 44: importing torch takes seconds on every rank, which a mistake in the flags (argparse's,

@@ -35,15 +35,15 @@ def resolve_degrees(world_size: int, dp: int = -1, pp: int = 1, cp: int = 1, tp:
     rest = pp * cp * tp * ep
     if dp == -1:
         if world_size % rest:
-            # a world of one is most often a script started without the launcher
-            alone = (f": this is one process; start {rest} ranks (or a multiple) with the launcher in front of the "
-                     f"same command, meshtron-run --nproc-per-node {rest} SCRIPT FLAGS") if world_size == 1 else ""
+            alone = _one_process(rest, "(or a multiple) ") if world_size == 1 else ""
             raise ValueError(f"pp*cp*tp*ep = {pp}*{cp}*{tp}*{ep} = {rest} does not divide the world size "
                              f"{world_size}{alone}")
         degrees["dp"] = world_size // rest
     if degrees["dp"] * rest != world_size:
         hint = ""
-        if world_size % rest == 0:
+        if world_size == 1:
+            hint = _one_process(dp * rest)
+        elif world_size % rest == 0:
             hint = f": with the other degrees as given, --dp {world_size // rest} fits"
             if ep > 1 and dp > 1:   # torchtitan and Megatron carve ep out of the data-parallel ranks
                 hint += (f" (ep is an axis of its own here, not a part of dp: the batch is split over dp x ep, so "
@@ -54,3 +54,10 @@ def resolve_degrees(world_size: int, dp: int = -1, pp: int = 1, cp: int = 1, tp:
             f"does not equal the world size {world_size}{hint}"
         )
     return degrees
+
+
+def _one_process(ranks: int, multiple: str = "") -> str:
+    """The hint for a layout of several ranks in a world of one: most often a script started without the
+    launcher, which no degree of one process would fix."""
+    return (f": this is one process; start {ranks} ranks {multiple}with the launcher in front of the same command, "
+            f"meshtron-run --nproc-per-node {ranks} SCRIPT FLAGS")
