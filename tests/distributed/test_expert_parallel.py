@@ -2,16 +2,19 @@
 against one process over 5 steps in fp32 (loss, aux loss, gathered gradients
 of experts, router and dense weights, the clipped norm, updated weights, the
 expert bias), the Llama's routing balanced per sequence; capacity drops alike
-at every ep degree; the collectives of one MoE layer; the recipe's losses under
-five layouts and two micro-batch cuts, batch balancing on; checkpoints across ep
-degrees."""
+at every ep degree; no host sync in the padded dispatch; the collectives of one
+MoE layer; the recipe's losses under five layouts and two micro-batch cuts, batch
+balancing on; checkpoints across ep degrees."""
 import json
 import shutil
 from unittest import mock
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshtron import ParallelConfig
 from meshtron.models import GPT, gpt_config
@@ -102,11 +105,9 @@ def test_capacity_drops_the_same_tokens_at_every_ep_degree(pools):
 
 # ---- the padded dispatch against the exact one ------------------------------------------
 
-def _one_layer(rank, world, model, dispatch, banned, compiled):
-    """One MoE block's output and gradients (input, router, this rank's expert shards) at
-    ep=world under `dispatch`; `banned` experts never chosen. Compiled: the block under
-    torch.compile (aot_eager: dynamo and autograd's tracing, no inductor) with fullgraph,
-    which refuses a host sync (a graph break)."""
+def _layer(rank, world, model, dispatch, banned):
+    """One MoE block laid out at ep=world under `dispatch`, `banned` experts never chosen,
+    and this rank's input."""
     from meshtron.distributed.expert_parallel import apply_moe
     cfg = MoEConfig(**{**(GPT_MOE if model == "gpt" else LLAMA_MOE).__dict__, "batch_balance": 0})
     torch.manual_seed(0)
@@ -116,6 +117,14 @@ def _one_layer(rank, world, model, dispatch, banned, compiled):
     block.router.expert_bias[list(banned)] = float("-inf")
     apply_moe([block], mesh(dp=1, ep=world), dispatch)
     x = torch.randn(2, SEQ, 64, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+    return block, x
+
+
+def _one_layer(rank, world, model, dispatch, banned, compiled):
+    """One MoE block's output and gradients (input, router, this rank's expert shards) at
+    ep=world under `dispatch`; `banned` experts never chosen. Compiled: the block under
+    torch.compile (aot_eager: dynamo and autograd's tracing, no inductor) with fullgraph."""
+    block, x = _layer(rank, world, model, dispatch, banned)
     if compiled:
         torch._dynamo.reset()
         block.dispatch = torch.compile(block.dispatch, backend="aot_eager", fullgraph=True)
@@ -140,9 +149,9 @@ def _device_grouped_mm(x, w, counts):
 def test_the_padded_dispatch_equals_the_exact_one(pools, model):
     # one MoE block at ep=2 and ep=4 (where rank 3 receives no tokens): the same output and
     # gradients as the exact dispatch's, to the bit with the CPU's grouped GEMM; at ep=2 also
-    # compiled with fullgraph (no graph break: no host sync; the exact dispatch breaks at its
-    # .tolist()) and NaN in the rows past the last expert's, to fp32 rounding (a batched matmul
-    # in place of the loop)
+    # compiled with fullgraph and NaN in the rows past the last expert's, to fp32 rounding (a
+    # batched matmul in place of the loop). A whole graph proves no host sync: torch 2.13
+    # compiles the exact dispatch's .tolist() whole too (test_the_padded_dispatch_never_waits...)
     for world, banned in ((2, ()), (4, (6, 7))):
         runs = [("exact", False), ("padded", False)] + [("padded", True)] * (world == 2)
         exact, padded, *compiled = ([r for r in pools.run(world, _one_layer, model, dispatch, banned, c, timeout=300)]
@@ -151,6 +160,59 @@ def test_the_padded_dispatch_equals_the_exact_one(pools, model):
             assert all(torch.equal(a, b) for a, b in zip(padded[rank], exact[rank])), (world, rank)
             assert all(a.isfinite().all() and (a - b).norm() <= TOL * b.norm()
                        for got in compiled for a, b in zip(got[rank], exact[rank])), (world, rank)
+
+
+class HostSyncs(TorchDispatchMode):
+    """The ops that, on a GPU, make the host wait for the device: a value read on the host
+    (an op tagged data_dependent_output: .item(), a tensor's truth) or an output whose size
+    depends on values (one that fake tensors cannot size: nonzero, a mask's indexing).
+    .tolist() reads values without dispatching: `tolist` stands in for it while recording."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def tolist(self, t):
+        self.seen.append("Tensor.tolist")
+        return torch._C.TensorBase.tolist(t)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.Tag.data_dependent_output in func.tags or (
+                torch.Tag.dynamic_output_shape in func.tags and not _sized_without_values(func, args, kwargs)):
+            self.seen.append(str(func))
+        return func(*args, **kwargs)
+
+
+def _sized_without_values(func, args, kwargs) -> bool:
+    """Whether func's output can be sized from its inputs' shapes alone (as fake tensors do)."""
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        args, kwargs = pytree.tree_map_only(torch.Tensor, fake.from_tensor, (args, kwargs))
+        try:
+            func(*args, **kwargs)
+        except DynamicOutputShapeException:
+            return False
+    return True
+
+
+def _host_syncs(rank, world, model, dispatch):
+    """The host syncs of one MoE block's forward and backward at ep=world, its grouped GEMM
+    the GPU's (the CPU's loop reads the counts on the host)."""
+    block, x = _layer(rank, world, model, dispatch, ())
+    syncs = HostSyncs()
+    with mock.patch.object(experts_module, "grouped_mm", _device_grouped_mm), \
+            mock.patch.object(torch.Tensor, "tolist", lambda t: syncs.tolist(t)), syncs:
+        block(x).sum().backward()
+    return syncs.seen
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_the_padded_dispatch_never_waits_for_the_device(pools, model):
+    # what the padded dispatch is for: no host sync in the MoE block, forward or backward;
+    # the exact dispatch reads its splits on the host (host_counts' .tolist()), once a layer
+    padded, exact = (pools.run(2, _host_syncs, model, d) for d in ("padded", "exact"))
+    assert padded == [[], []], padded
+    assert exact == [["Tensor.tolist"]] * 2, exact
 
 
 def test_the_default_dispatch_is_padded_at_ep2_and_exact_above():
