@@ -2,7 +2,7 @@
 (meshtron.distributed.local_tensor_parallel): the same numbers as one process
 under every TP layout, the same collectives as the DTensor styles, and a
 fraction of their host calls (what made small micro-batches, and so pipelines
-combined with TP, host-bound on the GPU)."""
+combined with TP, host-bound on the GPU); --tp-overlap's backward order."""
 
 import os
 import warnings
@@ -93,6 +93,55 @@ def _gather_linears_against_plain(rank, world, sp, bias):
 def test_gather_linears_equal_the_gather_and_the_linears(pools, sp, bias):
     for errors in pools.run(2, _gather_linears_against_plain, sp, bias):
         assert len(errors) == (10 if bias else 7) and max(errors) < 1e-6, errors
+
+
+class _BackwardOrder(TorchDispatchMode):
+    """The order of a backward's matmuls ("dx": the input's gradient, "dW": a weight's, told
+    apart by shape) and of its collective's start and wait."""
+
+    def __init__(self, weight_shapes):
+        super().__init__()
+        self.weight_shapes, self.seen = weight_shapes, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func)
+        if name.startswith(("aten.mm", "aten.addmm")):
+            self.seen.append("dW" if out.shape in self.weight_shapes else "dx")
+        elif name.startswith(("_c10d_functional.reduce_scatter_tensor", "_c10d_functional.all_reduce")):
+            self.seen.append("start")
+        elif name.startswith("_c10d_functional.wait_tensor"):
+            self.seen.append("wait")
+        return out
+
+
+def _overlap_order(rank, world, sp):
+    """The backward of GatherLinears over three column-parallel linears (--tp-overlap)."""
+    class Attn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wq, self.wk, self.wv = (torch.nn.Linear(8, 6 * world) for _ in range(3))
+
+        def in_proj(self, x):
+            return self.wq(x), self.wk(x), self.wv(x)
+    names = ("wq", "wk", "wv")
+    model = torch.nn.ModuleDict({"attn": Attn()})
+    parallelize_module(model, mesh(tp=world), {**{f"attn.{n}": LocalColwise() for n in names},
+                                               "attn": GatherLinears(sp, names)})
+    attn = model["attn"]
+    x = torch.randn(2, 4 if sp else 4 * world, 8, requires_grad=True)
+    ys = attn.in_proj(x)
+    with _BackwardOrder({p.to_local().shape for p in attn.parameters() if p.dim() == 2}) as order:
+        torch.autograd.backward(ys, [torch.randn_like(y) for y in ys])
+    return order.seen
+
+
+@pytest.mark.parametrize("sp", [True, False], ids=["sp", "nosp"])
+def test_overlap_computes_the_weight_gradients_while_the_collective_runs(pools, sp):
+    # Megatron's order: the input's gradient, its reduce-scatter (all-reduce without SP)
+    # started, the weights' gradients beside it, the wait last
+    for seen in pools.run(2, _overlap_order, sp):
+        assert seen == ["dx"] * 3 + ["start"] + ["dW"] * 3 + ["wait"], seen
 
 
 class _DTensorCalls(TorchDispatchMode):
