@@ -201,6 +201,14 @@ def enable_copy_engine(group: str, device_type: str) -> None:
         enable_symm_mem_for_group(group)
 
 
+def ce_copies(rank: int, tp: int, n: int) -> list[tuple[int, int, int]]:
+    """ce_reduce_scatter's arithmetic on `rank` of `tp`, blocks of n elements: for each peer, in
+    the order their copies are added, (peer, the offset in peer's workspace where this rank's
+    block `peer` lands, the offset in this rank's workspace where peer's copy of block `rank`
+    lands). Rank r writes n elements at n * r of each peer's workspace: no two copies overlap."""
+    return [(peer, n * rank, n * peer) for peer in ((rank + step) % tp for step in range(1, tp))]
+
+
 def ce_reduce_scatter(x: torch.Tensor, group: str):
     """Start a sum-reduce-scatter of `x` (B, T, ...) over dim 1 (rank r keeps the sum of
     every rank's x[:, r*T/tp:(r+1)*T/tp]) on a high-priority side stream: each rank pushes
@@ -215,19 +223,20 @@ def ce_reduce_scatter(x: torch.Tensor, group: str):
     rank, tp = ws.rank, ws.world_size
     blocks = x.chunk(tp, dim=1)
     shape, n = blocks[0].shape, blocks[0].numel()
+    copies = ce_copies(rank, tp, n)
     stream = torch.cuda.Stream(x.device, priority=-1)   # the next of torch's pool of high-priority streams
     stream.wait_stream(torch.cuda.current_stream(x.device))
     with torch.cuda.stream(stream):
         ws.barrier()                     # every rank done reading its workspace from the last call
-        for step in range(1, tp):
-            peer = (rank + step) % tp
-            dst = ws.get_buffer(peer, shape, x.dtype, n * rank)
+        for peer, there, _ in copies:
+            dst = ws.get_buffer(peer, shape, x.dtype, there)
             for b in range(shape[0]):
                 dst[b].copy_(blocks[peer][b])
         ws.barrier()                     # every peer's block has landed here
-        out = blocks[rank] + ws.get_buffer(rank, shape, x.dtype, n * ((rank + 1) % tp))
-        for step in range(2, tp):
-            out += ws.get_buffer(rank, shape, x.dtype, n * ((rank + step) % tp))
+        arrived = [ws.get_buffer(rank, shape, x.dtype, here) for _, _, here in copies]
+        out = blocks[rank] + arrived[0]
+        for block in arrived[1:]:
+            out += block
     return out, stream
 
 

@@ -15,7 +15,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import meshtron
 from meshtron import ParallelConfig, models
 from meshtron.distributed.collectives import CollectiveCounter
-from meshtron.distributed.local_tensor_parallel import GatherLinears, LocalColwise, _GatherLinears, gather_seq
+from meshtron.distributed.local_tensor_parallel import (
+    GatherLinears,
+    LocalColwise,
+    _GatherLinears,
+    ce_copies,
+    gather_seq,
+)
 from meshtron.distributed.tensor_parallel import parallelize_module
 from meshtron.models.llama.parallelize import tp_plan
 from meshtron.train.loss import loss_function
@@ -286,3 +292,37 @@ def test_copy_engine_overlap_is_refused_off_cuda_and_without_sp():
         with pytest.raises(ConfigError, match=match):
             Config.from_args(["--model", "llama-tiny", "--tp", "2", "--sp", *argv],
                              models=PRESETS).validate(world_size=2)
+
+
+def _simulated_ce_reduce_scatter(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """ce_reduce_scatter on every rank of len(xs), its copies and sums as ce_copies places
+    them, each symmetric-memory workspace a flat tensor of x's size (NaN where nothing landed)."""
+    tp = len(xs)
+    blocks = [x.chunk(tp, dim=1) for x in xs]
+    shape, n = blocks[0][0].shape, blocks[0][0].numel()
+    workspaces = [torch.full((xs[0].numel(),), float("nan")) for _ in range(tp)]
+    for rank in range(tp):
+        for peer, there, _ in ce_copies(rank, tp, n):
+            dst = workspaces[peer][there:there + n].view(shape)
+            for b in range(shape[0]):
+                dst[b].copy_(blocks[rank][peer][b])
+    outs = []
+    for rank in range(tp):
+        arrived = [workspaces[rank][here:here + n].view(shape) for _, _, here in ce_copies(rank, tp, n)]
+        out = blocks[rank][rank] + arrived[0]
+        for block in arrived[1:]:
+            out += block
+        outs.append(out)
+    return outs
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_copy_engine_copies_sum_to_a_reduce_scatter_over_the_sequence(tp):
+    # the copy engines need CUDA (benchmarks/check_ce_reduce_scatter.py runs the real one against
+    # NCCL); their arithmetic is checked here: which block of x goes to which peer, where it
+    # lands and what is added. Integer values: every order of the sum is exact
+    g = torch.Generator().manual_seed(tp)
+    xs = [torch.randint(-1000, 1000, (3, 4 * tp, 5), generator=g).float() for _ in range(tp)]
+    reduce_scatter = torch.stack(xs).sum(0).chunk(tp, dim=1)    # rank r: the sum of every x[:, r-th T/tp]
+    got = _simulated_ce_reduce_scatter(xs)
+    assert all(torch.equal(a, b) for a, b in zip(got, reduce_scatter, strict=True))
