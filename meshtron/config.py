@@ -137,8 +137,8 @@ class ParallelConfig:
      "launches (pp x tp, dp x tp); FSDP's gathered weights stay in place between steps (refused with --zero 3). "
      "Measured on four H100s, llama-1B micro-batch 4: pp2 x tp2 392 against 510-563 ms a step, dp2 x tp2 "
      "347 against 474 (benchmarks/RESULTS.md)")
-    dtype: str = field(default="fp32", metadata={"choices": DTYPES})
-    """compute dtype (master weights stay fp32)"""
+    dtype: str | None = field(default=None, metadata={"choices": DTYPES})
+    """compute dtype (default: bf16 on GPUs, fp32 on the CPU); master weights and the reduction stay fp32"""
     reduce_dtype: str = field(default="fp32", metadata={"choices": DTYPES})
     """gradient reduction dtype"""
     fp8: str = field(default="none", metadata={"choices": FP8_RECIPES})
@@ -150,6 +150,13 @@ class ParallelConfig:
 
     def degrees(self) -> dict[str, int]:
         return {a: getattr(self, a) for a in AXES}
+
+
+def default_dtype(device_type: str, fp8: str = "none") -> str:
+    """The compute dtype of a run without --dtype: bf16 on a GPU, whose tensor cores make it
+    the fast mode (fp32 runs there at a tenth of the rate), and around FP8's matmuls; fp32 on
+    the CPU, where bf16 is no faster."""
+    return "bf16" if device_type == "cuda" or fp8 != "none" else "fp32"
 
 
 @dataclass
@@ -220,6 +227,10 @@ class CheckpointConfig:
     """none, auto (the newest good checkpoint in --checkpoint-dir) or a checkpoint path"""
     data_rebatch: bool = False
     """resume with another global batch or sequence length at the same token count"""
+    schedule_override: bool = False
+    ("resume under other --steps, --warmup, --lr, --min-lr-ratio or --weight-decay than the checkpoint's "
+     "(else refused): the learning-rate schedule is planned again from the resumed step, going on from the "
+     "learning rate there to the new end")
     init_from_hf: str | None = None
     """build the model from this Hugging Face directory's config.json and start from its weights"""
     import_safetensors: str | None = None
@@ -267,6 +278,11 @@ class Config:
                 print(config.to_toml(), end="")
             sys.exit(0)
         return config, args
+
+    def on_device(self, device_type: str) -> Config:
+        """This config with --dtype resolved for a run on `device_type` (cuda or cpu)."""
+        dtype = self.parallel.dtype or default_dtype(device_type, self.parallel.fp8)
+        return dataclasses.replace(self, parallel=dataclasses.replace(self.parallel, dtype=dtype))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -332,6 +348,9 @@ class Config:
         if p.fp8 != "none" and p.async_tp:
             raise ConfigError("--fp8 with --async-tp is not supported: the overlapped matmuls are bf16 ones, of "
                               "weights the fp8 linears hold; use one or the other")
+        if p.fp8 != "none" and p.dtype not in (None, "bf16"):
+            raise ConfigError(f"--fp8 runs its matmuls in fp8 inside bf16 compute: leave out --dtype {p.dtype} "
+                              "(or give --dtype bf16)")
         if p.fp8 != "none":
             from meshtron.distributed.float8 import check_available
             try:

@@ -79,3 +79,23 @@ def test_the_torch_free_preset_index_agrees_with_the_registry():
     assert parser(SECTIONS, models=presets.TRAINING).format_help() == parser(SECTIONS, models=PRESETS).format_help()
     assert Config.from_args(["--model", "llama-3B"], models=presets.TRAINING) == \
         Config.from_args(["--model", "llama-3B"], models=PRESETS)
+
+
+def test_dtype_defaults_to_bf16_on_gpus_and_fp32_on_the_cpu():
+    c = Config.from_args([], models=PRESETS)
+    assert c.parallel.dtype is None   # left to the device the run lands on
+    assert c.on_device("cuda").parallel.dtype == "bf16"
+    assert c.on_device("cpu").parallel.dtype == "fp32"
+    assert c.on_device("cuda").parallel.reduce_dtype == "fp32"
+    # a choice the user made stands on either device
+    assert Config.from_args(["--dtype", "fp32"], models=PRESETS).on_device("cuda").parallel.dtype == "fp32"
+    assert Config.from_args(["--dtype", "bf16"], models=PRESETS).on_device("cpu").parallel.dtype == "bf16"
+    # FP8's matmuls sit inside bf16 compute, emulated on the CPU too
+    assert Config.from_args(["--fp8", "tensorwise"], models=PRESETS).on_device("cpu").parallel.dtype == "bf16"
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_fp8_with_another_compute_dtype_is_refused(dtype):
+    c = Config.from_args(["--fp8", "tensorwise", "--dtype", dtype], models=PRESETS)
+    with pytest.raises(ConfigError, match=f"--fp8 .* leave out --dtype {dtype}"):
+        c.validate(1)

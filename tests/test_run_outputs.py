@@ -61,3 +61,17 @@ def test_evaluation_right_before_a_checkpoint_at_zero1(pools, tmp_path):
     first = pools.run(2, train, argv, 2)[0]
     second = pools.run(2, train, argv + ["--resume", "auto"])[0]
     assert first + second == pytest.approx(straight, rel=1e-5)
+
+
+@pytest.mark.parametrize("flags,says", [
+    ([], "fp32 compute, fp32 master weights, fp32 gradient reduction"),
+    (["--fp8", "tensorwise"], "bf16 compute with FP8 matmuls (tensorwise, emulated on the CPU)"),
+])
+def test_the_start_up_line_names_the_compute_dtype(flags, says):
+    pytest.importorskip("torchao") if flags else None
+    from harness import run_script
+    recipe = os.path.join(os.path.dirname(__file__), "..", "recipes", "train.py")
+    r = run_script([recipe, *ARGS[:6], "--steps", "1", "--micro-batch", "8", *flags])
+    assert r.returncode == 0, r.stderr
+    line = next(line for line in r.stdout.splitlines() if line.startswith("meshtron |"))
+    assert f"| {says}" in line, line

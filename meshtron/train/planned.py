@@ -39,6 +39,7 @@ def _model_config(config: Config):
 def choose(config: Config, world: int, gpus_per_node: int, gpu: str):
     """(the config with the planner's fastest layout that fits, its Prediction)."""
     from meshtron.planner import plan
+    config = config.on_device("cuda" if torch.cuda.is_available() else "cpu")
     par, tr = config.parallel, config.training
     default = ParallelConfig()
     given = [f"--{f.replace('_', '-')}" for f in LAYOUT_FIELDS if getattr(par, f) != getattr(default, f)]

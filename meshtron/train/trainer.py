@@ -57,7 +57,7 @@ class Trainer:
     set-up that fails releases it."""
 
     def __init__(self, config: Config, *, verbose: bool = True):
-        self.config = config
+        self.config = config.on_device(default_device_type())   # --dtype left out: bf16 on GPUs, fp32 on the CPU
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.lock: DirectoryLock | None = None
         self.run_log: RunLog | None = None
@@ -123,6 +123,13 @@ class Trainer:
         self.start = self._resume()
         if c.parallel.fp8 == "tensorwise":   # the first step's fp8 weight scales, from the weights it starts from
             precompute_scales(self.parts)
+
+    def _precision(self) -> str:
+        """The run's precision, for its start-up line: a GPU run without --dtype computes in bf16."""
+        p = self.config.parallel
+        fp8 = f" with FP8 matmuls ({p.fp8}{', emulated on the CPU' if self.device.type == 'cpu' else ''})" \
+            if p.fp8 != "none" else ""
+        return f"{p.dtype} compute{fp8}, fp32 master weights, {p.reduce_dtype} gradient reduction"
 
     def _open_data(self) -> tuple:
         """The training tokens and the held-out ones (None without --eval-data)."""
@@ -341,7 +348,8 @@ class Trainer:
         masked = (" | document mask on: attention FLOPs count the query-key pairs it keeps"
                   if c.data.document_mask else "")
         self.log(f"meshtron | {self._model_name()} ({mc.num_params() / 1e6:.1f}M params) | mesh "
-                 f"{dict(zip(mesh.mesh_dim_names, mesh.shape))} | global batch {self.global_batch} x {tr.seq_len} "
+                 f"{dict(zip(mesh.mesh_dim_names, mesh.shape))} | {self._precision()} | "
+                 f"global batch {self.global_batch} x {tr.seq_len} "
                  f"tokens, {self.microbatches} micro-batches of {tr.micro_batch} | {self.loader.n_samples} samples"
                  + masked)
         losses, t_start = [], time.perf_counter()
