@@ -168,7 +168,7 @@ def test_resuming_at_the_last_step_says_there_is_nothing_to_run(pools, tmp_path)
     ck = str(tmp_path)
     run(pools, "single", "--checkpoint-dir", ck, "--checkpoint-interval", "2", exit_after=2)
     out = pools.run(1, _printed, COMMON + LAYOUTS["single"][1] + ["--steps", "2", "--checkpoint-dir", ck,
-                                                                  "--resume", "auto"])[0]
+                                                                  "--resume", "auto", "--schedule-override"])[0]
     assert out.splitlines()[-1] == f"done: no step to run: resumed at step 2 and --steps is 2; checkpoints in {ck}"
 
 # ---- safetensors export / import with Hugging Face GPT-2 ------------------------

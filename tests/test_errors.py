@@ -237,7 +237,7 @@ def test_a_resume_at_another_default_global_batch_says_why_once_and_what_to_pass
     # two ranks 2. One line from rank 0 (every rank found it), then the launcher's.
     ck = str(tmp_path / "ck")
     pools.run(2, train, TINY + ["--dp", "2", "--checkpoint-dir", ck, "--checkpoint-interval", "2"])
-    out = _run_recipe(TINY + ["--tp", "2", "--steps", "4", "--checkpoint-dir", ck, "--resume", "auto"], nproc=2,
+    out = _run_recipe(TINY + ["--tp", "2", "--checkpoint-dir", ck, "--resume", "auto"], nproc=2,
                       launcher="meshtron.launch")
     assert out.returncode == 1, out.stderr
     lines = out.stderr.strip().splitlines()

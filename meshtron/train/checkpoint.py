@@ -117,11 +117,12 @@ def _rng_state() -> dict:
 
 def save(root: str, step: int, parts, optimizer, scheduler=None, loader=None, *, config=None, layout=None,
          keep: int = 3, names: dict[int, str] | None = None, model: str | None = None,
-         preset: str | None = None, tokenizer: str | None = None) -> str:
+         preset: str | None = None, tokenizer: str | None = None, schedule: dict | None = None) -> str:
     """Write root/step-<step> from every rank; returns its path. `model`: the family
     (meshtron.models' registry key), `preset`: the name the run gave (--model),
     `tokenizer`: the one its text data was read with ("bytes", a tokenizer.json
-    directory; None for token files, whose tokenizer is not known). Of the
+    directory; None for token files, whose tokenizer is not known), `schedule`: a
+    learning-rate schedule planned again at a resume (the Trainer's). Of the
     older checkpoints, only those of this model config count towards `keep`, and only
     those are removed. meshtron/train/async_checkpoint.py writes the same files from a
     background thread."""
@@ -131,7 +132,8 @@ def save(root: str, step: int, parts, optimizer, scheduler=None, loader=None, *,
     dcp.save(sd, checkpoint_id=tmp)
     _barrier()                                   # every rank's shards are on disk
     if _rank() == 0:
-        publish(root, step, keep, config=config, layout=layout, model=model, preset=preset, tokenizer=tokenizer)
+        publish(root, step, keep, config=config, layout=layout, model=model, preset=preset, tokenizer=tokenizer,
+                schedule=schedule)
     _barrier()
     return final
 
@@ -159,7 +161,7 @@ def saved_state(parts, optimizer, scheduler, loader, step: int, names: dict[int,
 
 
 def publish(root: str, step: int, keep: int, *, config=None, layout=None, model: str | None = None,
-            preset: str | None = None, tokenizer: str | None = None) -> str:
+            preset: str | None = None, tokenizer: str | None = None, schedule: dict | None = None) -> str:
     """Rank 0, once every rank's shards of .tmp-step-<step> are on disk: record the
     files (sizes, CRCs) in meshtron.json, rename the directory to step-<step>, then
     remove the oldest checkpoints of this model config beyond `keep`. Returns the path."""
@@ -169,6 +171,8 @@ def publish(root: str, step: int, keep: int, *, config=None, layout=None, model:
              for f in sorted(glob.glob(os.path.join(tmp, "*"))) + sorted(glob.glob(os.path.join(tmp, ".metadata")))}
     meta = {"step": step, "model": model, "preset": preset, "tokenizer": tokenizer, "config": _stored(config),
             "layout": _jsonable(layout), "files": files}
+    if schedule is not None:
+        meta["schedule"] = schedule
     with open(os.path.join(tmp, "meshtron.json"), "w") as f:
         json.dump(meta, f, indent=1)
         f.flush()
@@ -240,6 +244,11 @@ def set_aside_newer(root: str, step: int) -> list[str]:
             os.rename(path, target)
             moved.append(target)
     return moved
+
+
+def record_of(path: str) -> dict | None:
+    """A checkpoint's meshtron.json, or None where it is missing or unreadable."""
+    return _read_meta(path)
 
 
 def _read_meta(path: str) -> dict | None:

@@ -70,3 +70,29 @@ def warmup_cosine(warmup: int, total: int, min_ratio: float = 0.1):
         t = min(1.0, (step - warmup) / max(1, total - warmup))
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
     return f
+
+
+def replanned(start: int, start_ratio: float, warmup_to: int, total: int, min_ratio: float):
+    """lr multiplier of a schedule planned again at step `start`: `start_ratio` there, linearly up to 1 at
+    `warmup_to` where a warmup goes on (else it starts the decay), cosine down to min_ratio at `total`."""
+    peak = 1.0 if warmup_to > start else start_ratio
+
+    def f(step: int) -> float:
+        if step < warmup_to:
+            return start_ratio + (1 - start_ratio) * (step - start) / (warmup_to - start)
+        t = min(1.0, (step - warmup_to) / max(1, total - warmup_to))
+        return min_ratio + (peak - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+    return f
+
+
+def plan_again(optimizer: torch.optim.Optimizer, scheduler, plan: dict, lr: float, total: int, min_ratio: float,
+               weight_decay: float) -> None:
+    """A resumed optimizer and LambdaLR on a schedule planned again (`plan`: from_step, from_lr, warmup_to)
+    for peak `lr`; the learning rate stays the checkpoint's for the next step. The weight decay becomes
+    `weight_decay` on build_optimizer's first group (the one that decays)."""
+    f = replanned(plan["from_step"], plan["from_lr"] / lr, plan["warmup_to"], total, min_ratio)
+    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+    scheduler.lr_lambdas = [f] * len(optimizer.param_groups)
+    for group in optimizer.param_groups:
+        group["initial_lr"] = lr
+    optimizer.param_groups[0]["weight_decay"] = weight_decay

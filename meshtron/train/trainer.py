@@ -45,8 +45,11 @@ from meshtron.train.layout import build_model, pipeline_io, resolve_layout
 from meshtron.train.lifetime import DirectoryLock, describe
 from meshtron.train.loss import IGNORE_INDEX, forward_kwargs
 from meshtron.train.metrics import RunLog, Throughput, peak_memory_gib
-from meshtron.train.optim import build_optimizer, warmup_cosine
+from meshtron.train.optim import build_optimizer, plan_again, warmup_cosine
 from meshtron.train.step import _value, gradients, layout_loss, micro_batch_loss, moe_end_step
+
+# the settings a checkpoint's learning-rate schedule and AdamW groups were made with (TrainingConfig's)
+SCHEDULE = ("steps", "warmup", "lr", "min_lr_ratio", "weight_decay")
 
 
 class Trainer:
@@ -102,6 +105,7 @@ class Trainer:
             # what to resume, read before the directory is locked or cleared: a directory of
             # another model's checkpoints is refused with its files untouched
             self.resume_from = self._find_resume()
+            self.schedule_changes, self.schedule_plan = self._check_schedule()
             self.lock = self._hold_checkpoint_dir()
         self.mesh = init_mesh(**degrees)
         self.device = (torch.device("cuda", torch.cuda.current_device()) if self.mesh.device_type == "cuda"
@@ -172,10 +176,49 @@ class Trainer:
                                 config=self.model_config, rebatch_by_tokens=ck.data_rebatch,
                                 names=self._param_names())
         self.log(f"resumed from {self.resume_from} at step {start}")
+        self._plan_schedule(start)
         if ck.checkpoint_dir and self.rank == 0:
             for moved in checkpoint.set_aside_newer(ck.checkpoint_dir, start):
                 self.log(f"set aside a checkpoint newer than step {start}: {moved}")
         return start
+
+    def _check_schedule(self) -> tuple[dict, dict | None]:
+        """The resumed checkpoint's schedule settings that differ from this run's ({field: (there, here)}),
+        and the schedule it was planned again to (by --schedule-override), if any. A difference is refused
+        without --schedule-override (Megatron's --override-opt_param-scheduler): the loaded schedule would
+        follow the new settings from the resumed step on, and the learning rate jump there without a word."""
+        meta = checkpoint.record_of(self.resume_from) if self.resume_from else None
+        layout = (meta or {}).get("layout")
+        saved = layout.get("training") if isinstance(layout, dict) else None
+        if not isinstance(saved, dict):   # a checkpoint saved outside the Trainer records no settings
+            return {}, None
+        tr = self.config.training
+        changes = {k: (saved[k], getattr(tr, k)) for k in SCHEDULE if k in saved and saved[k] != getattr(tr, k)}
+        if changes and not self.config.checkpoint.schedule_override:
+            said = "; ".join(f"--{k.replace('_', '-')} {a} there, {b} here" for k, (a, b) in changes.items())
+            raise ConfigError(f"checkpoint {self.resume_from} was saved under another learning-rate schedule "
+                              f"({said}): pass --schedule-override to plan it again from step {meta.get('step')} "
+                              "(the learning rate goes on from its value there to the new end), or resume with "
+                              "the checkpoint's values")
+        return changes, meta.get("schedule")
+
+    def _plan_schedule(self, start: int) -> None:
+        """Under --schedule-override with settings that changed, plan the schedule again from `start`, from
+        the learning rate the checkpoint left (a warmup under way goes on to the new --warmup, one over
+        stays over), and say so; a schedule planned so before (recorded in the checkpoint) goes on."""
+        tr, plan = self.config.training, self.schedule_plan
+        if self.schedule_changes:
+            warmup_end = plan["warmup_to"] if plan else self.schedule_changes.get("warmup", (tr.warmup,))[0]
+            lr = self.optimizer.param_groups[0]["lr"]
+            plan = {"from_step": start, "from_lr": lr,
+                    "warmup_to": tr.warmup if start < min(warmup_end, tr.warmup) else start}
+            said = ", ".join(f"--{k.replace('_', '-')} {a} -> {b}" for k, (a, b) in self.schedule_changes.items())
+            warm = f", warmup to {tr.lr:.2e} at step {tr.warmup}" if plan["warmup_to"] > start else ""
+            self.log(f"--schedule-override ({said}): the learning-rate schedule planned again from step {start}: "
+                     f"{lr:.2e} there{warm}, cosine down to {tr.lr * tr.min_lr_ratio:.2e} at step {tr.steps}")
+        if plan is not None:
+            plan_again(self.optimizer, self.scheduler, plan, tr.lr, tr.steps, tr.min_lr_ratio, tr.weight_decay)
+        self.schedule_plan = plan
 
     def _hold_checkpoint_dir(self) -> DirectoryLock | None:
         """Rank 0 locks --checkpoint-dir (inside agree(): a live holder stops every
@@ -314,7 +357,8 @@ class Trainer:
         ck, t0 = self.config.checkpoint, time.perf_counter()
         args = (ck.checkpoint_dir, step, self.parts, self.optimizer, self.scheduler, self.loader)
         kw = dict(config=self.model_config, layout=self.config, keep=ck.keep_checkpoints, names=self._param_names(),
-                  model=self.spec.name, preset=self._model_name(), tokenizer=self._tokenizer())
+                  model=self.spec.name, preset=self._model_name(), tokenizer=self._tokenizer(),
+                  schedule=self.schedule_plan)
         if self.saver is None:
             self._saved(checkpoint.save(*args, **kw))
             return time.perf_counter() - t0

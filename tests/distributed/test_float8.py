@@ -232,7 +232,7 @@ def _resume_across_precisions(rank, world, directory, export):
     plain = trainer("none", "--resume", "auto")
     same = [_weights(plain)[n].equal(w) for n, w in _weights(fp8).items()]
     losses = plain.train(exit_after=2)                   # steps 3, 4 in fp32; saves step 4
-    again = trainer("tensorwise", "--resume", "auto", "--steps", "5", "--export-hf", export)
+    again = trainer("tensorwise", "--resume", "auto", "--steps", "5", "--schedule-override", "--export-hf", export)
     same_back = [_weights(again)[n].equal(w) for n, w in _weights(plain).items()]
     losses += again.train()                              # step 5 in FP8, then the export
     return plain.start, again.start, all(same), all(same_back), losses, _weights(again)
