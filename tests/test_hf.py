@@ -110,3 +110,24 @@ def test_the_trainer_starts_from_a_hugging_face_model(pools, tmp_path):
     with torch.no_grad():
         ref = torch.nn.functional.cross_entropy(theirs(x).logits.flatten(0, 1), y.flatten())
     assert one[0] == pytest.approx(float(ref), rel=1e-5)
+
+
+def test_the_export_holds_the_runs_tokenizer_for_transformers(pools, tmp_path):
+    # issue 57, point 6: AutoTokenizer.from_pretrained(DIR) reads what --export-hf wrote, for a
+    # tokenizer the run named and for the default bytes
+    import sysconfig
+
+    from meshtron.data.tokenizer import ByteTokenizer
+    from meshtron.data.train_tokenizer import train_bpe
+    text = os.path.join(sysconfig.get_paths()["stdlib"], "json", "decoder.py")
+    bpe = train_bpe([text], 300, str(tmp_path / "tok"))
+    sample = "def f(x):\n    return {'h\u00e9llo': x}  # \U0001F600\n"
+    argv = ["--model", "tiny", "--seq-len", "32", "--steps", "1", "--micro-batch", "2", "--global-batch", "2"]
+    for name, data, ours in (("bpe", ["--data", text, "--tokenizer", str(tmp_path / "tok")], bpe),
+                             ("bytes", [], ByteTokenizer())):
+        pools.run(1, train, argv + data + ["--export-hf", str(tmp_path / name)])
+        theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / name))
+        assert theirs.encode(sample) == ours.encode(sample), name
+        assert theirs.eos_token_id == ours.eot and theirs.decode(ours.encode(sample)) == sample, name
+        config = transformers.AutoConfig.from_pretrained(str(tmp_path / name))
+        assert config.eos_token_id == config.bos_token_id == ours.eot, name   # not GPT-2's 50256

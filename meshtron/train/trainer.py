@@ -28,6 +28,7 @@ import torch.nn as nn
 from meshtron.config import Config, ConfigError
 from meshtron.data import BatchLoader, open_data
 from meshtron.data.sources import is_text
+from meshtron.data.tokenizer import export_tokenizer
 from meshtron.distributed import cuda_graphs, local_tensor_parallel
 from meshtron.distributed.agree import agree
 from meshtron.distributed.context_parallel import shard_sequence
@@ -424,7 +425,14 @@ class Trainer:
                 self._saved(self.saver.poll())
         if ck.export_hf:   # no transformers class has meshtron's MoE block: those keep meshtron's names
             hf.export_safetensors(self.parts, ck.export_hf, mc, None if getattr(mc, "moe", None) else self.spec.hf)
-            self.log(f"exported the weights to {ck.export_hf} (Hugging Face safetensors)")
+            # a token file's --tokenizer is the one that made its ids; without one its tokenizer is unknown
+            tokenizer = c.data.tokenizer or self._tokenizer()
+            with agree():
+                if tokenizer is not None and dist.get_rank() == 0:
+                    export_tokenizer(tokenizer, ck.export_hf)
+            self.log(f"exported the weights to {ck.export_hf} (Hugging Face safetensors) " + (
+                f"with the tokenizer ({tokenizer})" if tokenizer else
+                "without a tokenizer: the data were token ids (--tokenizer names the one that made them)"))
         if self.pipeline is not None:   # memory differs by stage: the first holds the most micro-batches
             per_rank = [None] * dist.get_world_size()
             dist.all_gather_object(per_rank, (self.pipeline.stage_ids, peak_memory_gib(self.device)))
