@@ -78,6 +78,20 @@ SUITES = {   # world size, [recipe flags]
          "--compile"],
         ["4", "--model", "llama-moe-3B", "--seq-len", "2048", "--micro-batch", "4", "--compile"],
     )]),
+    "shapes_1gpu_b": (1, [[*flags[1:], "--global-batch", flags[0]] for flags in (
+        ["2", "--model", "llama-1B", "--seq-len", "2048", "--micro-batch", "1"],
+        ["2", "--model", "llama-1B", "--seq-len", "2048", "--micro-batch", "2", "--compile"],
+        ["8", "--model", "llama-moe-3B", "--seq-len", "2048", "--micro-batch", "8", "--compile"],
+        ["1", "--model", "llama-3B", "--seq-len", "8192", "--micro-batch", "1", "--recompute", "full", "--compile"],
+        ["8", "--model", "llama-1B", "--seq-len", "2048", "--micro-batch", "8", "--fp8", "rowwise", "--compile"],
+        ["16", "--model", "llama-1B", "--seq-len", "2048", "--micro-batch", "16", "--fused-loss", "--compile"],
+        ["2", "--model", "6.7B", "--seq-len", "2048", "--micro-batch", "2", "--recompute", "full"],
+        ["2", "--model", "1.3B", "--seq-len", "2048", "--micro-batch", "2"],
+        ["4", "--model", "llama-1B", "--seq-len", "4096", "--micro-batch", "2", "--recompute", "selective",
+         "--compile"],
+        ["4", "--model", "350M", "--seq-len", "2048", "--micro-batch", "4", "--dtype", "fp32"],
+        ["1", "--model", "llama-617M", "--seq-len", "65536", "--micro-batch", "1", "--compile"],
+    )]),
 }
 
 

@@ -103,12 +103,38 @@ def matmul_efficiency(cfg, device: torch.device, tokens: int, peak: float, repea
     return flops / seconds / peak
 
 
+def _fp8_operands(m: int, k: int, n: int, device: torch.device):
+    """torch._scaled_mm's operands as torchao's tensorwise Float8Linear makes them: e4m3 rows, a
+    column-major e4m3 weight, one fp32 scale each."""
+    a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device=device)
+    return a, b, one
+
+
+def dtype_matmul_efficiency(cfg, device: torch.device, tokens: int, peak: float, dtype: str,
+                            repeats: int = 10) -> float:
+    """matmul_efficiency's GEMMs in fp32 (no TF32: torch's default) or fp8 (tensorwise
+    scales, bf16 out), over the same bf16 peak: what --dtype fp32 and --fp8 run at."""
+    flops = seconds = 0.0
+    for m, k, n in model_gemms(cfg, tokens):
+        if dtype == "fp8":
+            a, b, one = _fp8_operands(m, k, n, device)
+            fn = (lambda a=a, b=b, one=one: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16))
+        else:
+            a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
+            fn = (lambda a=a, b=b: a @ b)
+        seconds += _time(fn, device, repeats)
+        flops += 2 * m * k * n
+    return flops / seconds / peak
+
+
 def attention_efficiency(dim: int, heads: int, device: torch.device, tokens: int, seq_len: int, peak: float,
-                         repeats: int = 10) -> float:
+                         repeats: int = 10, dtype: torch.dtype | None = None) -> float:
     """Causal SDPA forward and backward, `heads` heads of dim / heads over `seq_len`,
     against 6*b*s^2*dim FLOPs (forward 2*b*s^2*dim with the causal half skipped,
     backward twice that), as the planner counts it."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     b = max(1, tokens // seq_len)
     q, k, v = (torch.randn(b, heads, seq_len, dim // heads, device=device, dtype=dtype, requires_grad=True)
                for _ in range(3))
@@ -159,6 +185,35 @@ def host_seconds(spec, cfg, device: torch.device, repeats: int = 10, tokens: int
     return out
 
 
+def moe_parts(spec, cfg, device: torch.device, tokens: int, peak: float, repeats: int = 10) -> dict[str, float]:
+    """A mixture of experts' block as the model runs it (router, sort, grouped GEMMs, weighted
+    sum), forward and backward on `tokens` tokens under bf16 autocast, and its experts'
+    grouped GEMMs alone on the same rows: the GEMMs' efficiency over the bf16 peak, and
+    what the rest costs, as bytes per routed copy and model dim at the HBM bandwidth
+    (the planner scales it to other widths, top-k and token counts)."""
+    from meshtron.models.common.experts import Experts
+    moe, dtype = cfg.moe, torch.bfloat16 if device.type == "cuda" else torch.float32
+    block = spec.model_cls(dataclasses.replace(cfg, n_layers=1), seed=0).layers["0"].feed_forward.to(device)
+    block.train()
+    x = torch.randn(1, tokens, cfg.dim, device=device, requires_grad=True)
+
+    def whole():
+        with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
+            out = block(x)
+        out.float().sum().backward()
+    rows = tokens * moe.top_k
+    experts = Experts(cfg.dim, moe).to(device, dtype)
+    xr = torch.randn(rows, cfg.dim, device=device, dtype=dtype, requires_grad=True)
+    counts = torch.full((moe.n_experts,), rows // moe.n_experts, device=device, dtype=torch.long)
+    counts[-1] += rows - int(counts.sum())
+    gemms = _time(lambda: experts(xr, counts).float().sum().backward(), device, repeats)
+    width = 3 if moe.activation == "swiglu" else 2
+    flops = 6 * rows * cfg.dim * moe.hidden * width
+    rest = max(_time(whole, device, repeats) - gemms, 0.0)
+    return {"grouped_mm_efficiency": flops / gemms / peak,
+            "moe_bytes_per_copy": rest * hbm_bandwidth(device, 2 ** 26, repeats) / (rows * cfg.dim)}
+
+
 def hbm_bandwidth(device: torch.device, nbytes: int = 2 ** 30, repeats: int = 10) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -206,10 +261,22 @@ def calibrate(model: str, tokens: int, seq_len: int, device: torch.device, quick
     out["attention_efficiency"] = attention_efficiency(cfg.dim, cfg.n_heads, device, tokens, seq_len, peak, repeats)
     out["attention_curve"] = attention_curve(cfg, device, peak, repeats, quick)
     out["hbm_bandwidth"] = hbm_bandwidth(device, 2 ** 20 if quick else 2 ** 30, repeats)
+    # the other compute dtypes' GEMMs and attention, as fractions of bf16's at the same shapes
+    bf16 = matmul_efficiency(cfg, device, tokens, peak, repeats)
+    ratios = [["fp32", dtype_matmul_efficiency(cfg, device, tokens, peak, "fp32", repeats) / bf16]]
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
+        ratios.append(["fp8", dtype_matmul_efficiency(cfg, device, tokens, peak, "fp8", repeats) / bf16])
+    out["matmul_dtype_ratio"] = ratios
+    out["attention_fp32_ratio"] = attention_efficiency(
+        cfg.dim, cfg.n_heads, device, tokens, seq_len, peak, repeats, torch.float32) / out["attention_efficiency"]
     host = host_seconds(spec, cfg, device, repeats)
     out |= host
     measured = ["matmul_efficiency", "matmul_curve", "attention_efficiency", "attention_curve", "hbm_bandwidth",
-                *host]
+                "matmul_dtype_ratio", "attention_fp32_ratio", *host]
+    if getattr(cfg, "moe", None) is not None:
+        parts = moe_parts(spec, cfg, device, tokens, peak, repeats)
+        out |= parts
+        measured += list(parts)
     if device.type == "cuda":
         out["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
         measured.append("memory_bytes")
