@@ -4,7 +4,8 @@
         --tokenizer tokenizer/ --workers 4
 
 Inputs: text files (each a document), JSON lines (the --text-field of each line a
-document) and parquet (its --text-field column; needs pyarrow). Documents keep
+document) and parquet (its --text-field column; needs pyarrow); a directory is
+every file under it, as `--data DIR` reads it. Documents keep
 their boundaries (one indexed-dataset document each, the end-of-text id
 appended); workers tokenize in parallel, the output keeps the input order.
 """
@@ -18,6 +19,7 @@ import sys
 import time
 
 from meshtron.data.indexed import IndexedDatasetWriter
+from meshtron.data.sources import text_files
 from meshtron.data.tokenizer import load_tokenizer
 
 
@@ -58,10 +60,9 @@ def _encode(args):
 
 def prepare(paths: list[str], prefix: str, tokenizer: str | None = None, workers: int = 1, field: str = "text",
             eot: bool = True, progress=sys.stderr) -> tuple[int, int]:
-    """Write PREFIX.bin/.idx; returns (documents, tokens)."""
-    missing = [p for p in paths if not os.path.isfile(p)]
-    if missing:
-        raise FileNotFoundError(f"no input file {missing[0]}")
+    """Write PREFIX.bin/.idx; returns (documents, tokens). A directory in `paths` stands
+    for every file under it, as --data reads it."""
+    paths = [f for path in paths for f in text_files(path)]
     tok = load_tokenizer(tokenizer)
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     writer = IndexedDatasetWriter(prefix, tok.vocab_size)
@@ -95,7 +96,8 @@ def prepare(paths: list[str], prefix: str, tokenizer: str | None = None, workers
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("inputs", nargs="+", help="text files, .jsonl files, .parquet files")
+    p.add_argument("inputs", nargs="+", help="text files, .jsonl files, .parquet files, or directories (every "
+                   "file under them)")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     p.add_argument("--tokenizer", default=None, help="a tokenizer.json directory, or 'bytes' (default)")
     p.add_argument("--workers", type=int, default=1, help="tokenizing processes")

@@ -75,20 +75,29 @@ def stdlib_tokens(max_bytes: int = 8 << 20) -> np.ndarray:
     return _stdlib_tokens(max_bytes)
 
 
+def text_files(path: str, flag: str = "") -> list[str]:
+    """A text file, or every file under a directory (sorted; hidden ones skipped): the
+    documents of --data PATH, and what the tokenizer trainer and the prepare tool read
+    of a directory. `flag` names where the path was given, for the error."""
+    if os.path.isfile(path):
+        return [path]
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no file or directory at {path}")
+    files = sorted(p for p in glob.glob(os.path.join(path, "**", "*"), recursive=True) if os.path.isfile(p))
+    binary = [f for f in files if os.path.splitext(f)[1] in TOKEN_FILE_DTYPES or f.endswith(".idx")]
+    if binary:
+        raise ValueError(f"{flag}{path} is a directory holding token files ({os.path.basename(binary[0])}"
+                         f"{', ...' if len(binary) > 1 else ''}); a directory is read as text: pass a token "
+                         "file or an indexed dataset's prefix itself")
+    return files
+
+
 def text_tokens(path: str, tokenizer=None) -> np.ndarray:
     """A text file, or every file under a directory (sorted), one document each:
     byte tokens, or `tokenizer`'s."""
-    if os.path.isdir(path):
-        files = sorted(p for p in glob.glob(os.path.join(path, "**", "*"), recursive=True) if os.path.isfile(p))
-        binary = [f for f in files if os.path.splitext(f)[1] in TOKEN_FILE_DTYPES or f.endswith(".idx")]
-        if binary:
-            raise ValueError(f"--data {path} is a directory holding token files ({os.path.basename(binary[0])}"
-                             f"{', ...' if len(binary) > 1 else ''}); a directory is read as text: pass a token "
-                             "file or an indexed dataset's prefix itself")
-    elif os.path.isfile(path):
-        files = [path]
-    else:
+    if not os.path.exists(path):
         raise FileNotFoundError(f"no text file, directory or indexed dataset at {path}")
+    files = text_files(path, "--data ")
     if tokenizer is None:
         return _documents_to_tokens([_bytes(open(p, "rb").read()) for p in files], ByteTokenizer.eot)
     dtype = np.uint16 if tokenizer.vocab_size < 65536 else np.uint32

@@ -145,8 +145,30 @@ def test_prepare_errors_name_the_input(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"txt": "x"}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1: not a JSON object with a 'text' field"):
         prepare([str(tmp_path / "bad.jsonl")], str(tmp_path / "o"), progress=None)
-    with pytest.raises(FileNotFoundError, match="no input file"):
+    with pytest.raises(FileNotFoundError, match="no file or directory at .*missing.txt"):
         prepare([str(tmp_path / "missing.txt")], str(tmp_path / "o"), progress=None)
+
+
+def test_the_tokenizer_trainer_and_prepare_read_a_directory_as_data_does(tmp_path):
+    # issue 57, point 6: a directory is every file under it (one not UTF-8 among them, as a
+    # __pycache__ holds), the documents --data DIR reads; the trainer prints one line, an error is one line
+    pytest.importorskip("tokenizers")
+    corpus, tok_dir = tmp_path / "corpus", str(tmp_path / "tok")
+    (corpus / "sub").mkdir(parents=True)
+    for i, t in enumerate(TEXTS):
+        (corpus / ("sub" if i % 2 else "") / f"d{i}.txt").write_text(t)
+    (corpus / "sub" / "d.pyc").write_bytes(b"\xa7\r\r\n\x00\xff")
+    out = run_script(["-m", "meshtron.data.train_tokenizer", str(corpus), "--vocab-size", "300", "--out", tok_dir])
+    assert out.returncode == 0 and len(out.stdout.splitlines()) == 1, (out.stdout, out.stderr)
+    assert out.stdout.startswith(f"{tok_dir}/tokenizer.json: ") and out.stdout.endswith(" tokens, end of text 0\n")
+    out = run_script(["-m", "meshtron.data.prepare", str(corpus), "--output-prefix", str(tmp_path / "c"),
+                      "--tokenizer", tok_dir])
+    assert out.returncode == 0, out.stderr
+    ds = IndexedDataset(str(tmp_path / "c"))
+    assert len(ds) == 5 and np.concatenate([ds[i] for i in range(5)]).tolist() == \
+        load_tokens(str(corpus), tokenizer=tok_dir).tolist()
+    out = run_script(["-m", "meshtron.data.train_tokenizer", str(tmp_path / "none"), "--out", tok_dir])
+    assert out.returncode == 1 and out.stderr == f"error: no file or directory at {tmp_path}/none\n", out.stderr
 
 
 def test_a_blend_serves_each_part_by_its_weight(tmp_path):
