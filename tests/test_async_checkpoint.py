@@ -548,3 +548,82 @@ def test_a_job_killed_while_a_save_is_written_resumes_from_the_previous_one_exac
     # the killed job's steps 4-9 (trained past the save in flight) and the resumed job's alike
     assert [(r["step"], r["loss"]) for r in rows] == [(r["step"], straight[r["step"] - 1]) for r in rows]
     assert sum(r["step"] == 6 for r in rows) == 2                   # trained by both jobs
+
+
+def _checksums_past_the_deadline(rank, world, argv):
+    """Train to step 5 with async saves every 2 steps, where step 4's save gets a second
+    and rank 0's checksum pass over its files waits until that save was given up (its writer
+    stopped), then looks for 3 s whether the directory's lock was let go. Returns what the
+    run raised here, what the checksum pass saw, and the checkpoints once no save thread is left."""
+    import meshtron.train.checkpoint as ck
+    from meshtron import Config, Trainer, models
+    from meshtron.train.lifetime import DirectoryLock, DirectoryLocked
+
+    config = Config.from_args(argv, models=models.PRESETS)
+    root, seen, real = config.checkpoint.checkpoint_dir, {}, ck._crc32
+    checksumming = threading.Event()
+
+    def on_step(step):
+        if step == 4:
+            trainer.saver.timeout_s = 1.0
+        if step == 5 and rank == 0:   # the loop reaches step 5's save, whose wait gives step 4's up
+            seen["checksumming"] = checksumming.wait(timeout=60)
+
+    def slow_crc(path):
+        if ".tmp-step-00000004" in path and not checksumming.is_set():
+            checksumming.set()
+            seen["writer stopped"] = _poll(lambda: not _alive(trainer.saver.writer_pid), 60)
+            seen["lock"] = "held"
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline:
+                lock = DirectoryLock(root)
+                try:
+                    lock.acquire()
+                except DirectoryLocked:
+                    time.sleep(0.05)
+                    continue
+                lock.release()
+                seen["lock"] = "free"
+                break
+        return real(path)
+
+    ck._crc32 = slow_crc
+    trainer, raised = Trainer(config, verbose=False), None
+    try:
+        trainer.train(on_step=on_step)
+    except checkpoint.CheckpointError as e:
+        raised = str(e)
+    finally:
+        trainer.close()
+        for thread in threading.enumerate():   # the old thread, had the save gone on without the run
+            if thread.name.startswith("meshtron-save-"):
+                thread.join(timeout=60)
+        ck._crc32 = real
+    return raised, seen, [os.path.basename(p) for p in checkpoint.list_checkpoints(root)]
+
+
+def _poll(ok, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not ok():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_a_save_given_up_during_rank_0s_checksums_is_never_published(pools, tmp_path):
+    # issue 57, point 3: the give-up was checked once, before the checksums; the save was renamed into
+    # place after wait() had said it was not, and the run let its directory go while the thread still ran
+    ck = str(tmp_path / "ck")
+    argv = COMMON + LAYOUTS["dp2-zero3"][1] + ["--steps", "5", "--checkpoint-dir", ck, "--checkpoint-interval", "2",
+                                                *ASYNC]
+    (raised0, seen, complete), (raised1, _, _) = pools.run(2, _checksums_past_the_deadline, argv, timeout=300)
+    assert complete == ["step-00000002"], complete   # step 4 never renamed into place, not even after the error
+    assert raised0 is not None and "\n" not in raised0, raised0
+    assert "step-00000004 did not finish within 1 s" in raised0 and "the save was not published: the previous " \
+           "complete checkpoint stays the newest" in raised0, raised0
+    assert raised1 == "rank 0 did not publish the background save of step-00000004 (its error says why): the " \
+                      "previous complete checkpoint stays the newest", raised1
+    assert seen == {"checksumming": True, "writer stopped": True, "lock": "held"}, seen
+    assert checkpoint.latest_good(ck) == (os.path.join(ck, "step-00000002"), [])
+    assert open(os.path.join(ck, ".lock")).read() == ""   # released at the end, after the thread

@@ -14,15 +14,21 @@
    loop goes on.
 The thread then meets the other ranks' at a barrier (every rank's shards are on disk)
 and rank 0 records, renames and prunes exactly as a blocking save does
-(checkpoint.publish), then one more barrier. Until that rename the save is a
-`.tmp-step-N`, which nothing loads and `--resume auto` never sees, so a job killed
-while a write is in flight resumes from the previous checkpoint. Retention runs in
-that thread, after the rename, while no other save is in flight: it never touches
-the one being written. The Trainer waits for the writer before it releases the
-directory's lock and before its closing line, and `close` stops the writer process.
+(checkpoint.write_record, put_in_place), then tells the others whether it renamed it.
+Until that rename the save is a `.tmp-step-N`, which nothing loads and `--resume auto`
+never sees, so a job killed while a write is in flight resumes from the previous
+checkpoint. Retention runs in that thread, after the rename, while no other save is in
+flight: it never touches the one being written. The Trainer waits for the save's thread
+to end before it releases the directory's lock and before its closing line, and
+`close` stops the writer process.
 A save is given the job's --pg-timeout (`timeout_s`), as the collectives of a blocking
-one are: a write still unfinished then (a writer that hangs) makes `wait` and `close`
-stop the writer and raise, and it is never renamed into place.
+one are: a save still unfinished then (a writer that hangs, rank 0's checksums over slow
+files) is given up: `wait` and `close` stop the writer, wait for the thread and raise,
+and it is never renamed into place. Renaming and giving up are one decision, taken
+under a lock (whichever comes first holds): a rank gives its save up on its own while
+its shards are being written (it then never reaches the barrier, so rank 0 cannot
+publish); past the barrier the decision is rank 0's, the only one that renames, and the
+other ranks wait for its word.
 
 Why a process: DCP's planning and serialization are Python, and a writer thread in
 this process took the GIL from a host-bound step loop: steps ran slower while a write
@@ -124,7 +130,9 @@ class BackgroundSaver:
         self._error: BaseException | None = None
         self._path: str | None = None         # the save in flight, or finished and not yet waited for
         self._deadline = 0.0                  # time.monotonic() by which the save in flight must be on disk
-        self._given_up = threading.Event()    # set when the save in flight ran past it: it must not publish
+        self._decision = threading.Lock()     # publishing and giving up the save: one decision (_settle)
+        self._state: str | None = None        # the save in flight: writing, written, then published, given up
+                                              # (by this rank) or not published (rank 0's word)
         self.started = 0                      # saves started by this saver
 
     @property
@@ -147,7 +155,7 @@ class BackgroundSaver:
             self._check_shared_memory(state)
         final, _ = checkpoint.begin_save(root, step)
         staged, copied = self._stage(state)
-        self._path, self.started = final, self.started + 1
+        self._path, self.started, self._state = final, self.started + 1, "writing"
         self._deadline = time.monotonic() + self.timeout_s
         self._thread = threading.Thread(target=self._write, name=f"meshtron-save-{step}", daemon=True,
                                         args=(staged, copied, root, step, keep, record, before_publish))
@@ -185,16 +193,18 @@ class BackgroundSaver:
             self._preparing.join()
 
     def wait(self) -> str | None:
-        """Block until the save in flight is on disk; returns its path (None when no
-        save was waiting to be collected). A failed write raises its error here, and so
-        does one still unfinished `timeout_s` after it started, whose writer is stopped."""
+        """Block until the save in flight is settled and its thread has ended; returns its
+        path, in place (None when no save was waiting to be collected). A failed write
+        raises its error here, and a save given up (still unfinished `timeout_s` after it
+        started, its writer stopped) or that rank 0 did not publish raises saying so."""
         if self._thread is None:
             return None
         try:
             self._join()
         finally:
-            self._thread, path, self._path = None, self._path, None
-            error, self._error = self._error, None
+            if not self._thread.is_alive():   # else (an interrupted wait) close joins it
+                self._thread, path, self._path = None, self._path, None
+                error, self._error = self._error, None
         if error is not None:
             raise error
         return path
@@ -207,7 +217,8 @@ class BackgroundSaver:
 
     def close(self) -> None:
         """Stop the writer process, after the save in flight (`wait` first to see its
-        error; a save past its time raises here too); never hangs, safe to repeat."""
+        error; a save past its time raises here too); never hangs on a hung writer, safe
+        to repeat."""
         try:
             if self._thread is not None:
                 self._join()
@@ -218,18 +229,40 @@ class BackgroundSaver:
             self._stop_writer()
 
     def _join(self) -> None:
-        """Wait for the saver's thread, until the save's deadline. Past it, stop the
-        writer (a hung one holds the thread on its pipe, and the next save behind it)."""
+        """Wait for the saver's thread until the save's deadline. Past it, give the save up
+        where this rank still may and stop the writer (a hung one holds the thread on its
+        pipe); then wait for the thread to end, so that no thread of the save touches the
+        directory once this returns (the Trainer releases the directory's lock after it).
+        Its remaining waits are bounded: the collectives by the saver group's timeout."""
         self._thread.join(max(0.0, self._deadline - time.monotonic()))
-        if not self._thread.is_alive():
-            return
-        self._given_up.set()
-        self._writer.kill()
-        self._writer.join(timeout=10)
-        raise checkpoint.CheckpointError(
-            f"the background write of {os.path.basename(self._path)} did not finish within {self.timeout_s:.0f} s "
-            f"(--pg-timeout); its writer process (pid {self.writer_pid}) was stopped, and the previous complete "
-            "checkpoint stays the newest")
+        if self._thread.is_alive() and self._give_up():
+            self._writer.kill()
+            self._writer.join(timeout=10)
+        self._thread.join()
+        name = os.path.basename(self._path)
+        if self._state == "given up":
+            raise checkpoint.CheckpointError(
+                f"the background write of {name} did not finish within {self.timeout_s:.0f} s (--pg-timeout); its "
+                f"writer process (pid {self.writer_pid}) was stopped, and the save was not published: the previous "
+                "complete checkpoint stays the newest")
+        if self._state == "not published":
+            raise checkpoint.CheckpointError(f"rank 0 did not publish the background save of {name} (its error "
+                                             "says why): the previous complete checkpoint stays the newest")
+
+    def _give_up(self) -> bool:
+        """Past the deadline: give the save up unless it is settled. Any rank may while its
+        shards are being written; once they are on every rank's disk only rank 0 may (it
+        alone renames), and the others learn its decision."""
+        return self._settle("writing", "given up") or (checkpoint._rank() == 0 and self._settle("written", "given up"))
+
+    def _settle(self, before: str, after: str) -> bool:
+        """Move the save in flight from `before` to `after`, unless another thread moved it
+        first: the thread's move to published and the caller's to given up exclude each other."""
+        with self._decision:
+            if self._state != before:
+                return False
+            self._state = after
+            return True
 
     def _stop_writer(self) -> None:
         if self._conn.closed:
@@ -296,16 +329,50 @@ class BackgroundSaver:
             if copied is not None:
                 copied.synchronize()             # the writer reads the copy only once it is complete
             self._write_shards(staged, os.path.join(root, f".tmp-step-{step:08d}"))
-            self._barrier()                      # every rank's shards are on disk
+            if not self._settle("writing", "written"):   # given up: kept from the barrier, no rank publishes it
+                return
+            self._collective(self._barrier, "was not published: not every rank's write finished")   # all on disk
             if before_publish is not None:
                 before_publish(step)
-            if self._given_up.is_set():   # wait() said the previous checkpoint stays the newest
-                return
-            if checkpoint._rank() == 0:
-                checkpoint.publish(root, step, keep, **record)
-            self._barrier()                      # and the checkpoint is in place, for every rank's wait
+            self._publish(root, step, keep, record)
         except BaseException as e:  # noqa: BLE001 - handed to the main thread by wait()
             self._error = e
+
+    def _publish(self, root: str, step: int, keep: int, record: dict) -> None:
+        """Rank 0 records the files, then renames the save into place unless it was given
+        up meanwhile; every rank learns from it which (its wait reports it)."""
+        published, error = False, None
+        if checkpoint._rank() == 0 and self._state == "written":   # not given up already: record the files
+            try:
+                checkpoint.write_record(root, step, **record)
+                published = self._settle("written", "published")
+                if published:
+                    checkpoint.put_in_place(root, step, keep, record.get("config"))
+            except Exception as e:  # noqa: BLE001 - raised once the other ranks know
+                error = e
+        said = self._collective(lambda: self._rank0_says(published), "is published or not as rank 0 decided, "
+                                "whose word did not come")
+        if checkpoint._rank() != 0:
+            self._settle("written", "published" if said else "not published")
+        if error is not None:
+            raise error
+
+    def _rank0_says(self, published: bool) -> bool:
+        """Rank 0's `published`, on every rank."""
+        if self.group is None:
+            return published
+        flag = torch.tensor([int(published)])
+        dist.broadcast(flag, src=0, group=self.group)
+        return bool(flag.item())
+
+    def _collective(self, call, failed: str):
+        """call() on the saver's group; gloo's error (a peer that gave its save up never
+        comes: the group's timeout) said in one line."""
+        try:
+            return call()
+        except RuntimeError as e:
+            raise checkpoint.CheckpointError(f"the background save of {os.path.basename(self._path)} {failed} "
+                                             f"within {self.timeout_s:.0f} s (--pg-timeout): {first_line(e)}") from e
 
     def _write_shards(self, staged: dict, path: str) -> None:
         """This rank's shards of `staged` into `path`, by the writer process (dcp.save).

@@ -160,12 +160,18 @@ def saved_state(parts, optimizer, scheduler, loader, step: int, names: dict[int,
     return sd
 
 
-def publish(root: str, step: int, keep: int, *, config=None, layout=None, model: str | None = None,
-            preset: str | None = None, tokenizer: str | None = None, schedule: dict | None = None) -> str:
+def publish(root: str, step: int, keep: int, *, config=None, **record) -> str:
     """Rank 0, once every rank's shards of .tmp-step-<step> are on disk: record the
-    files (sizes, CRCs) in meshtron.json, rename the directory to step-<step>, then
-    remove the oldest checkpoints of this model config beyond `keep`. Returns the path."""
-    final = os.path.join(root, f"step-{step:08d}")
+    files in meshtron.json (write_record), then rename the directory to step-<step> and
+    prune (put_in_place). Returns the path."""
+    write_record(root, step, config=config, **record)
+    return put_in_place(root, step, keep, config)
+
+
+def write_record(root: str, step: int, *, config=None, layout=None, model: str | None = None,
+                 preset: str | None = None, tokenizer: str | None = None, schedule: dict | None = None) -> None:
+    """Rank 0: meshtron.json into .tmp-step-<step>: what the checkpoint is, and each
+    file's size and CRC32 (which reads every rank's files back in full)."""
     tmp = os.path.join(root, f".tmp-step-{step:08d}")
     files = {os.path.basename(f): {"size": os.path.getsize(f), "crc32": _crc32(f)}
              for f in sorted(glob.glob(os.path.join(tmp, "*"))) + sorted(glob.glob(os.path.join(tmp, ".metadata")))}
@@ -177,7 +183,13 @@ def publish(root: str, step: int, keep: int, *, config=None, layout=None, model:
         json.dump(meta, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    os.rename(tmp, final)                    # atomic: the checkpoint exists whole or not at all
+
+
+def put_in_place(root: str, step: int, keep: int, config=None) -> str:
+    """Rank 0, once meshtron.json is written: rename .tmp-step-<step> to step-<step>,
+    then remove the oldest checkpoints of this model config beyond `keep`. Returns the path."""
+    final = os.path.join(root, f"step-{step:08d}")
+    os.rename(os.path.join(root, f".tmp-step-{step:08d}"), final)   # atomic: the checkpoint exists whole or not at all
     ours = [c for c in list_checkpoints(root) if _same_model(c, config)]
     for old in ours[:-keep]:   # renamed first: a killed prune leaves no partial step-N
         doomed = os.path.join(root, ".tmp-pruned-" + os.path.basename(old))
