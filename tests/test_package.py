@@ -159,3 +159,51 @@ def test_the_lazy_names_are_listed_and_load_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "True", "False", "True", "False"], out.stdout
+
+
+def test_triton_is_an_extra_not_a_dependency():
+    # issue 57, point 6: training on the CPU needs no triton (a large download for kernels the CPU never
+    # runs); the gpu extra has it for the fused kernels, the test extra for the kernels' interpreter tests
+    import re
+    import tomllib
+    project = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["project"]
+
+    def names(requirements):
+        return {re.split(r"[\s<>=!~;\[]", r)[0] for r in requirements}
+    assert "triton" not in names(project["dependencies"])
+    assert all("triton" in names(project["optional-dependencies"][e]) for e in ("gpu", "test"))
+
+
+# triton as an install without it has it: not found; each meshtron file that asks for it is recorded
+NO_TRITON = """
+import os, sys, traceback
+asked = []
+
+class NoTriton:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "triton":
+            importer = next(f for f in reversed(traceback.extract_stack()[:-1])
+                            if not f.filename.startswith("<frozen importlib"))
+            if "/meshtron/" in importer.filename:
+                asked.append(f"{importer.filename}:{importer.lineno}")
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, NoTriton())
+import torch, torch.nn.functional as F
+from meshtron.train.cli import main
+losses = main(["--model", "tiny", "--seq-len", "32", "--steps", "1", "--micro-batch", "2", "--global-batch", "2"])
+print(len(losses), asked)
+from meshtron.kernels_triton import layer_norm   # asks, and falls back
+x, w = torch.randn(4, 8), torch.randn(8)
+print(torch.equal(layer_norm(x, w, w, 1e-5), F.layer_norm(x, (8,), w, w, 1e-5)))
+"""
+
+
+def test_a_cpu_run_trains_without_triton_and_meshtron_never_asks_for_it():
+    # issue 57, point 6: with triton not installed a training step runs, nothing of meshtron asks for
+    # triton on the way (the models load the kernels only for CUDA tensors), and the kernels, loaded,
+    # take the PyTorch path
+    out = subprocess.run([sys.executable, "-c", NO_TRITON], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env=dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="0"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines()[-2:] == ["1 []", "True"], out.stdout[-3000:]

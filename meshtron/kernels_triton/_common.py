@@ -27,7 +27,7 @@ try:  # Triton is optional: without it only the PyTorch path exists.
     import triton.language as tl
 
     HAVE_TRITON = True
-except ImportError:  # pragma: no cover - the project venv has triton
+except ImportError:  # pragma: no cover - a CPU install (triton is the gpu and test extras')
     triton = None
     tl = None
     HAVE_TRITON = False
@@ -51,7 +51,8 @@ def use_triton(x: torch.Tensor, impl: str) -> bool:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "torch" or not HAVE_TRITON:
         if impl == "triton":
-            raise RuntimeError("impl='triton' asked for, but triton is not installed")
+            raise RuntimeError("impl='triton' asked for, but triton is not installed (the gpu extra: "
+                               "pip install -e '.[gpu]')")
         return False
     if impl == "triton":
         if x.device.type != "cuda" and not interpreting():
