@@ -75,3 +75,14 @@ def test_the_start_up_line_names_the_compute_dtype(flags, says):
     assert r.returncode == 0, r.stderr
     line = next(line for line in r.stdout.splitlines() if line.startswith("meshtron |"))
     assert f"| {says}" in line, line
+
+
+def test_the_start_up_line_says_micro_batch_in_the_singular_for_one():
+    # issue 57, point 6: "1 micro-batch of 8", not "1 micro-batches of 8"
+    from harness import run_script
+    recipe = os.path.join(os.path.dirname(__file__), "..", "recipes", "train.py")
+    for micro, says in (("8", ", 1 micro-batch of 8 |"), ("4", ", 2 micro-batches of 4 |")):
+        r = run_script([recipe, *ARGS[:6], "--steps", "1", "--global-batch", "8", "--micro-batch", micro])
+        assert r.returncode == 0, r.stderr
+        line = next(line for line in r.stdout.splitlines() if line.startswith("meshtron |"))
+        assert says in line, line

@@ -395,7 +395,8 @@ class Trainer:
         self.log(f"meshtron | {self._model_name()} ({mc.num_params() / 1e6:.1f}M params) | mesh "
                  f"{dict(zip(mesh.mesh_dim_names, mesh.shape))} | {self._precision()} | "
                  f"global batch {self.global_batch} x {tr.seq_len} "
-                 f"tokens, {self.microbatches} micro-batches of {tr.micro_batch} | {self.loader.n_samples} samples"
+                 f"tokens, {self.microbatches} micro-batch{'es' if self.microbatches != 1 else ''} of "
+                 f"{tr.micro_batch} | {self.loader.n_samples} samples"
                  + masked)
         losses, t_start = [], time.perf_counter()
         last = min(tr.steps, self.start + exit_after) if exit_after else tr.steps
