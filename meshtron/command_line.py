@@ -118,7 +118,8 @@ def parser(sections: dict, description: str | None = None, models=None) -> argpa
         docs = field_docs(cls)
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
-            help_ = f"{docs[f.name]} (default: {f.default})"
+            # a doc that states its default (the preset's, the device's) says more than the field's None
+            help_ = docs[f.name] if "default:" in docs[f.name] else f"{docs[f.name]} (default: {f.default})"
             if f.metadata.get("preset"):   # the preset's own, listed; else the field's default
                 by_preset = {m: preset_training(models, m).get(f.name) for m in (models or {})}
                 listed = ", ".join(f"{m} {v:g}" for m, v in by_preset.items() if v is not None)
