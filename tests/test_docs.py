@@ -221,6 +221,14 @@ def test_python_blocks_are_files_the_page_runs(page):
         assert path in runs, f"{page}:{b.line}: no command of the page runs {path}"
 
 
+def test_readme_says_how_often_a_run_logs():
+    # issue 57, point 6: it said "logs each step", of a run that logs every --log-interval steps
+    from meshtron.config import TrainingConfig
+    said = re.search(r"The run logs its first step, every (\d+)th \(`--log-interval`\) and its last",
+                     " ".join(prose("README.md").split()))
+    assert said and int(said.group(1)) == TrainingConfig.log_interval
+
+
 def test_readme_set_up_is_what_ci_runs():
     ci = [ln for ln in read(".ci/run").splitlines() if ln.strip() and not ln.startswith(("#", "set ", "cd "))]
     readme = code_blocks("README.md")
