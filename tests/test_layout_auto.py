@@ -54,3 +54,16 @@ def test_nothing_fits_and_a_layout_of_ones_own_are_refused_in_one_line():
     assert own.stderr.strip() == "error: --layout auto chooses the layout itself: leave out --tp"
     bare = _recipe(*TINY, "--dry-run")
     assert bare.returncode != 0 and "--dry-run needs N" in bare.stderr
+
+
+def test_the_printed_command_names_each_flag_once():
+    # issue 57, point 6: a flag both given and chosen (--compile) was printed twice
+    from types import SimpleNamespace
+
+    from meshtron.train import planned
+    pred = SimpleNamespace(flags=lambda: "--dp 4 --zero 0 --micro-batch 2 --recompute selective --compile")
+    argv = ["--model", "tiny", "--compile", "--recompute", "selective", "--micro-batch", "4", "--layout", "auto",
+            "--dry-run", "4", "--steps", "3"]
+    assert planned.command_line(argv, pred, 4) == ("meshtron-run --nproc-per-node 4 recipes/train.py --model tiny "
+                                                   "--steps 3 --dp 4 --zero 0 --micro-batch 2 --recompute selective "
+                                                   "--compile")

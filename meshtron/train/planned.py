@@ -96,20 +96,20 @@ def comparison_line(config: Config, world: int, microbatches: int, measured_s: f
 
 
 def command_line(argv: list[str], pred, world: int) -> str:
-    """The command `--layout auto` would run: the user's flags with the chosen layout's."""
+    """The command `--layout auto` would run: the user's flags with the chosen layout's,
+    each flag once (the layout's own, given by the user too, only as the layout has it)."""
+    chosen = pred.flags()
+    drop = {t for t in chosen.split() if t.startswith("--")} | {"--layout", "--dry-run"}
     keep, skip = [], False
     for a in argv:
         if skip:
             skip = False
             if not a.startswith("-"):
                 continue
-        if a in ("--layout", "--dry-run"):
-            skip = True
+        if a in drop:
+            skip = True   # and its value
             continue
-        if a.startswith(("--layout=", "--dry-run=")) or a == "--layout=auto":
-            continue
-        if a == "--micro-batch":
-            skip = True
+        if a.partition("=")[0] in drop:
             continue
         keep.append(a)
-    return f"meshtron-run --nproc-per-node {world} recipes/train.py {' '.join(keep)} {pred.flags()}".replace("  ", " ")
+    return f"meshtron-run --nproc-per-node {world} recipes/train.py {' '.join(keep)} {chosen}".replace("  ", " ")
