@@ -8,9 +8,10 @@ difference is a job's failure: torchrun raises it out of its own main, which
 prints its own 16-line traceback and a 14-line summary box after the worker's
 one-line error; no worker can shorten that. Here the first failure is one line
 (rank, exit code, the worker's message from its error file) and the exit
-code is the worker's. torchrun also prints a 4-line banner when it sets
-OMP_NUM_THREADS=1 for you (more than one process per node, the variable unset);
-this sets the same value in the same case, silently.
+code is the worker's; a worker of the recipe leaves its message to that line
+(lifetime.LAUNCHER_SAYS_ERRORS), so it prints once. torchrun also prints a
+4-line banner when it sets OMP_NUM_THREADS=1 for you (more than one process per
+node, the variable unset); this sets the same value in the same case, silently.
 
 Workers cost less to start. torchrun starts each rank as a new interpreter, which
 imports torch and the trainer again: seconds of CPU per rank, all ranks at once.
@@ -36,6 +37,8 @@ import runpy
 import signal
 import sys
 import traceback
+
+from meshtron.train.lifetime import LAUNCHER_SAYS_ERRORS
 
 # imported once in the forkserver, before any rank is forked from it
 PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.tensor.parallel", "torch.distributed.pipelining",
@@ -157,6 +160,7 @@ def start_server() -> None:
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    os.environ[LAUNCHER_SAYS_ERRORS] = "1"   # the workers inherit it, a forked rank through the server
     if forks_by_command_line(argv):
         os.environ.setdefault("OMP_NUM_THREADS", "1")   # as below, before the server inherits the environment
         start_server()

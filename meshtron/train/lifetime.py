@@ -43,6 +43,9 @@ import threading
 import time
 
 _PR_SET_PDEATHSIG = 1   # <linux/prctl.h>
+LAUNCHER_SAYS_ERRORS = "MESHTRON_RUN_SAYS_ERRORS"
+"""set by meshtron-run for its workers: it ends a failed job with a line that names the rank and carries the
+message of the rank's error file, so one_line_errors writes the message there and prints nothing"""
 
 
 def under_torchrun() -> bool:
@@ -262,11 +265,12 @@ def one_line_errors(fn, *args, **kwargs) -> None:
             # every rank found it: rank 0 reports it and fails the job, so torchrun's
             # summary names one failure, with this message, not one per rank
             os._exit(0)
-        print(message if rank == 0 else f"[rank {rank}] {message}", file=sys.stderr, flush=True)
         error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
         if error_file:   # torchrun's summary then shows this line instead of a pointer to its docs
             with open(error_file, "w") as f:
                 json.dump({"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+        if not (error_file and os.environ.get(LAUNCHER_SAYS_ERRORS)):   # else the job's one line is the launcher's
+            print(message if rank == 0 else f"[rank {rank}] {message}", file=sys.stderr, flush=True)
         os._exit(1)   # skip the process group's teardown, which would wait for ranks that already left
     import torch.distributed as dist  # loaded already by a run that got this far
 
