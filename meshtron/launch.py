@@ -14,12 +14,14 @@ code is the worker's; a worker of the recipe leaves its message to that line
 node, the variable unset); this sets the same value in the same case, silently.
 
 Workers cost less to start. torchrun starts each rank as a new interpreter, which
-imports torch and the trainer again: seconds of CPU per rank, all ranks at once.
-Here, with one thread per process (OMP_NUM_THREADS=1, the default above), a
-forkserver imports them once and forks every rank, which runs the script as
-`python -u SCRIPT ARGS` would (`__main__`, sys.argv, sys.path[0], unbuffered
-output). Where the command line already says so, the server starts before the
-agent imports torch, and the two imports run side by side. The server starts no
+imports torch again: seconds of CPU per rank, all ranks at once. Here, with one
+thread per process (OMP_NUM_THREADS=1, the default above), a forkserver imports
+torch once and forks every rank, which runs the script as `python -u SCRIPT ARGS`
+would (`__main__`, sys.argv, sys.path[0], unbuffered output, and no module of
+meshtron's loaded: the script imports its own, from its own sys.path and as its
+files are now, also after an edit between --max-restarts attempts). Where the
+command line already says so, the server starts before the agent imports torch,
+and the two imports run side by side. The server starts no
 thread and touches no GPU, so a forked rank initialises CUDA as a fresh process
 does. It dies with the agent, and each rank's two processes (run_script's)
 follow it. `-m`, `--no-python` and `--run-path` jobs,
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
 import io
 import logging
 import os
@@ -40,9 +43,9 @@ import traceback
 
 from meshtron.train.lifetime import LAUNCHER_SAYS_ERRORS
 
-# imported once in the forkserver, before any rank is forked from it
-PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.tensor.parallel", "torch.distributed.pipelining",
-           "meshtron.train.trainer"]
+# imported once in the forkserver, before any rank is forked from it. Nothing of meshtron: the recipe puts
+# its own checkout first on sys.path, which may not be the launcher's, and the server outlives an attempt
+PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.tensor.parallel", "torch.distributed.pipelining"]
 
 
 def failure_line(error, name: str | None = None) -> str:
@@ -87,6 +90,7 @@ def run_script(path: str, *argv: str) -> None:
         if getattr(tracker, "_fd", None) is not None:
             os.close(tracker._fd)
             tracker._fd, tracker._pid = None, None
+        _forget_meshtron()
         os._exit(_run_as_main(path, argv))
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a terminal's ^C reaches the script itself
     for sig in (signal.SIGTERM, signal.SIGHUP):    # the agent's stop
@@ -98,6 +102,16 @@ def run_script(path: str, *argv: str) -> None:
         os.kill(os.getpid(), -code)
     if code:
         os._exit(code)
+
+
+def _forget_meshtron() -> None:
+    """This process's modules of meshtron (this one, unpickled as the rank's function, and what it imports)
+    dropped, and the directory listings the server took when it started: the script's `import meshtron` then
+    finds the package where a new interpreter would (a loaded package would resolve its submodules from the
+    launcher's checkout), as its files are now."""
+    for name in [n for n in sys.modules if n == "meshtron" or n.startswith("meshtron.")]:
+        del sys.modules[name]
+    importlib.invalidate_caches()
 
 
 def _run_as_main(path: str, argv: tuple[str, ...]) -> int:
@@ -148,8 +162,8 @@ def forks_by_command_line(argv: list[str]) -> bool:
 
 
 def start_server() -> None:
-    """The fork server, started now (again: a no-op): it imports torch and the trainer
-    (PRELOAD) while this process goes on, on another core; called before the agent imports
+    """The fork server, started now (again: a no-op): it imports torch (PRELOAD) while
+    this process goes on, on another core; called before the agent imports
     torch where the command line says the ranks will be forked. Starting it does not wait for
     its imports; the first fork does."""
     import multiprocessing

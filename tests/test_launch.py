@@ -2,6 +2,7 @@
 server that imported torch and the trainer once, each running its script as
 `python -u SCRIPT ARGS` does; a failed job's end in one line."""
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,6 +34,41 @@ elif mode in ("raise", "sleep"):
     open(os.path.join(os.path.dirname(__file__), f"pid{rank}"), "w").write(str(os.getpid()))
     time.sleep(600)
 """
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Appended to a copy's meshtron/train/cli.py: the recipe's entry point says whose code a rank runs. With
+# --edit, rank 0 of the first attempt edits it (into a longer file: a .pyc of the same size and second would
+# pass for current) and the attempt fails, so the next attempt's ranks say whether they run the edit.
+COPY_RUN = """
+
+EDIT = "as copied"
+
+
+def run(argv=None, description=None):
+    attempt, rank = os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["RANK"]
+    os.write(1, f"the copy's cli, {EDIT}, attempt {attempt}, rank {rank}\\n".encode())
+    if argv == ["--edit"] and attempt == "0":
+        if rank == "0":
+            with open(__file__) as f:
+                text = f.read().replace('EDIT = "as copied"', 'EDIT = "edited between attempts"')
+            with open(__file__ + ".new", "w") as f:
+                f.write(text)
+            os.replace(__file__ + ".new", __file__)
+        sys.exit(1)
+"""
+
+
+def _copy_of_the_project(tmp_path) -> str:
+    """Another checkout of meshtron, whose recipe (a copy of recipes/train.py) puts it first on sys.path."""
+    copy = tmp_path / "copy"
+    shutil.copytree(os.path.join(ROOT, "meshtron"), copy / "meshtron", ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "recipes").mkdir()
+    shutil.copy(os.path.join(ROOT, "recipes", "train.py"), copy / "recipes")
+    with open(copy / "meshtron" / "train" / "cli.py", "a") as f:
+        f.write(COPY_RUN)
+    return str(copy / "recipes" / "train.py")
 
 
 def _env(**extra) -> dict:
@@ -92,6 +128,29 @@ def test_a_forked_rank_that_raises_fails_the_job_in_one_line(tmp_path):
     assert err[start + 1].startswith(f'  File "{script}", line ') and "RuntimeError: rank 1 failed" in err
     assert err[-1] == f"meshtron-run: {script} failed on rank 1 (exit code 1): see its output above", err
     assert not [line for line in err if "launch.py" in line or "Terminating process" in line], err
+
+
+def test_forked_ranks_run_the_meshtron_their_script_imports(tmp_path):
+    # issue 57, point 1: torchrun's ranks, new interpreters, import the recipe's own checkout (first on its
+    # sys.path); ranks forked from a server that had imported the launcher's meshtron ran that one instead
+    recipe = _copy_of_the_project(tmp_path)
+    cmd = [sys.executable, "-m", "meshtron.launch", "--nproc-per-node", "2", "--standalone", recipe]
+    out = subprocess.run(cmd, env=_env(PYTHONPATH=ROOT), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    runs = sorted(line for line in out.stdout.splitlines() if line.startswith("the copy's cli"))
+    assert runs == [f"the copy's cli, as copied, attempt 0, rank {r}" for r in (0, 1)], out.stdout + out.stderr
+
+
+def test_a_restarted_attempt_runs_the_code_as_edited(tmp_path):
+    # the fork server outlives an attempt: the next one's ranks, forked from it, must read meshtron's files
+    # as they are now, as torchrun's new interpreters do
+    recipe = _copy_of_the_project(tmp_path)
+    cmd = [sys.executable, "-m", "meshtron.launch", "--nproc-per-node", "2", "--standalone", "--max-restarts", "1",
+           recipe, "--edit"]
+    out = subprocess.run(cmd, env=_env(PYTHONPATH=ROOT), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    runs = sorted(line for line in out.stdout.splitlines() if "attempt 1" in line)
+    assert runs == [f"the copy's cli, edited between attempts, attempt 1, rank {r}" for r in (0, 1)], out.stdout
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="ranks are forked on Linux only")
