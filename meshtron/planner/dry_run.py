@@ -61,8 +61,8 @@ def dry_run_rank(config, world: int, rank: int) -> tuple[dict[str, int], dict[tu
     while the step runs on fake tensors: shapes flow, nothing is computed or sent
     (FSDP's lazy initialization communicates nothing, and the pipeline's stages
     are given their shapes; a pipelined step is counted after one uncounted step,
-    as the real one is). MoE all-to-alls assume the tokens spread evenly over the
-    experts."""
+    as the real one is, with the gradients cleared between them as the optimizer
+    clears them). MoE all-to-alls assume the tokens spread evenly over the experts."""
     return _forked(_dry_run_rank, config, world, rank)
 
 
@@ -86,6 +86,10 @@ def _dry_run_rank(config, world: int, rank: int):
                 pipeline.build_schedule(loss_fn, pipeline_io(mc, config, mesh), forward_kwargs(loss_fn))
                 _answer_the_vote(pipeline.schedule)
                 gradients(parts, tokens, tokens, mesh, pipeline, config, microbatches, loss_fn)
+                # as the optimizer's zero_grad does: a gradient left from this step would take
+                # the next one's Partial sums (SP's norms) in, and their all-reduce would not run
+                for m in parts:
+                    m.zero_grad(set_to_none=True)
             with CollectiveCounter(mesh) as count:
                 gradients(parts, tokens, tokens, mesh, pipeline, config, microbatches, loss_fn)
                 if getattr(mc, "moe", None) is not None:
@@ -112,6 +116,19 @@ def _answer_the_vote(schedule) -> None:
     schedule._warmup_p2p = agreed
 
 
+def differences(counted: dict, planned: dict, skip=()) -> str:
+    """The entries on which the dry run and the planner disagree, each with both
+    values ("none" where one has no entry): the whole dicts bury them."""
+    def name(key):
+        return key if isinstance(key, str) else " over ".join(key)
+
+    def value(v):
+        return "none" if v is None else f"{v:,}"
+    keys = sorted((counted.keys() | planned.keys()) - set(skip))
+    return "; ".join(f"{name(k)}: dry run {value(counted.get(k))}, planner {value(planned.get(k))}"
+                     for k in keys if counted.get(k) != planned.get(k))
+
+
 def dry_run(config, world: int, ranks: list[int] | None = None, out=sys.stdout) -> list[dict[str, int]]:
     """Build `config`'s layout as each of `ranks` (all of them by default) of a
     world of `world`, print its bytes against the planner's, and return them."""
@@ -135,16 +152,15 @@ def dry_run(config, world: int, ranks: list[int] | None = None, out=sys.stdout) 
         states.append(s)
         collectives.append((rank, count))
         print(f"{rank:>5} {s['params'] / GiB:11.4f} {s['grads'] / GiB:10.4f} {s['optim'] / GiB:10.4f}   "
-              + ("equal" if s == predicted else f"differs: {predicted}"), file=out)
+              + ("equal" if s == predicted else f"differs: {differences(s, predicted)}"), file=out)
     moe = " (MoE all-to-alls as if the tokens spread evenly over the experts)" if getattr(mc, "moe", None) else ""
     print(f"collectives of one step, MiB each rank sends (an all-gather its shard, a reduce-scatter or all-reduce "
           f"the whole tensor){moe}, against the planner's (meshtron.planner.comm_model):", file=out)
     for rank, count in collectives:
         _, planned = step_collectives(spec, mc, par, tr.micro_batch, microbatches, tr.seq_len, rank, device="cpu")
         routed = [("all_to_all", "ep")]   # what a rank's all-to-alls send back depends on the routing
-        same = {k: v for k, v in count.items() if k not in routed} == {k: v for k, v in planned.items()
-                                                                       if k not in routed}
+        differ = differences(count, planned, routed)
         print(f"  rank {rank}: " + ", ".join(f"{kind} over {axes} {n / 2 ** 20:.2f}"
                                               for (kind, axes), n in sorted(count.items()))
-              + ("   planner equal" if same else f"   planner differs: {planned}"), file=out)
+              + (f"   planner differs: {differ}" if differ else "   planner equal"), file=out)
     return states
