@@ -26,6 +26,7 @@ from meshtron.distributed.choices import (
     RECOMPUTE_MODES,
     SCHEDULES,
     SPLIT_BACKWARD,
+    default_dtype,
     resolve_degrees,
 )
 
@@ -150,13 +151,6 @@ class ParallelConfig:
 
     def degrees(self) -> dict[str, int]:
         return {a: getattr(self, a) for a in AXES}
-
-
-def default_dtype(device_type: str, fp8: str = "none") -> str:
-    """The compute dtype of a run without --dtype: bf16 on a GPU, whose tensor cores make it
-    the fast mode (fp32 runs there at a tenth of the rate), and around FP8's matmuls; fp32 on
-    the CPU, where bf16 is no faster."""
-    return "bf16" if device_type == "cuda" or fp8 != "none" else "fp32"
 
 
 @dataclass

@@ -21,7 +21,8 @@ from meshtron.planner import cli, plan
 from harness import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ARGS = ["--seq-len", "16", "--steps", "1", "--log-interval", "1", "--max-norm", "1.0"]
+# fp32: the real runs beside the dry runs are CPU ones (the dry run alone would stand for a GPU's bf16)
+ARGS = ["--seq-len", "16", "--steps", "1", "--log-interval", "1", "--max-norm", "1.0", "--dtype", "fp32"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

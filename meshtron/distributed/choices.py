@@ -61,3 +61,10 @@ def _one_process(ranks: int, multiple: str = "") -> str:
     launcher, which no degree of one process would fix."""
     return (f": this is one process; start {ranks} ranks {multiple}with the launcher in front of the same command, "
             f"meshtron-run --nproc-per-node {ranks} SCRIPT FLAGS")
+
+
+def default_dtype(device_type: str, fp8: str = "none") -> str:
+    """The compute dtype of a run that names none: bf16 on a GPU, whose tensor cores make it
+    the fast mode (fp32 runs there at a tenth of the rate), and around FP8's matmuls; fp32 on
+    the CPU, where bf16 is no faster."""
+    return "bf16" if device_type == "cuda" or fp8 != "none" else "fp32"

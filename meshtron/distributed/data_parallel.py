@@ -38,6 +38,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from meshtron.distributed.choices import default_dtype
 from meshtron.distributed.mesh import degree, submesh
 
 # the names the command line offers (choices.DTYPES; tests/test_config.py checks they agree)
@@ -77,6 +78,7 @@ def autocast_dtype(mesh: DeviceMesh | None, dtype: str, mixed_precision: str = "
     themselves are in the compute dtype (FSDP's policy) or compute is fp32."""
     if mixed_precision not in ("autocast", "fsdp"):
         raise ValueError(f"mixed_precision must be autocast or fsdp, not {mixed_precision!r}")
+    dtype = dtype or default_dtype(mesh.device_type if mesh is not None else "cpu")
     one_rank = mesh is None or mesh.size() == 1
     return DTYPES[dtype] if one_rank and dtype != "fp32" and mixed_precision == "autocast" else None
 

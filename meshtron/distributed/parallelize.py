@@ -34,6 +34,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshtron.distributed import async_tp, cuda_graphs, float8
+from meshtron.distributed.choices import default_dtype
 from meshtron.distributed.data_parallel import apply_fsdp, autocast_dtype, cast_embeddings, dp_mesh_for
 from meshtron.distributed.mesh import degree
 from meshtron.distributed.recompute import apply_recompute
@@ -98,7 +99,7 @@ def _zero(mesh: DeviceMesh, config: LayoutOptions) -> int | None:
     n = degree(mesh, "dense_dp")
     if autocast_dtype(mesh, config.dtype, config.mixed_precision) is not None:
         return None
-    if n > 1 or config.dtype != "fp32":
+    if n > 1 or (config.dtype or default_dtype(mesh.device_type, config.fp8)) != "fp32":
         return config.zero if n > 1 else 1   # nothing to shard over
     return None
 
@@ -121,7 +122,8 @@ def apply_dp(model: nn.Module, mesh: DeviceMesh, config: LayoutOptions, blocks: 
         return
     zero = _zero(mesh, config)
     if zero is not None:
-        apply_fsdp(model, mesh, blocks, zero, config.hsdp, config.dtype, config.reduce_dtype, experts, dp_mesh,
+        dtype = config.dtype or default_dtype(mesh.device_type, config.fp8)
+        apply_fsdp(model, mesh, blocks, zero, config.hsdp, dtype, config.reduce_dtype, experts, dp_mesh,
                    prefetch=config.fsdp_prefetch, keep_last=config.fsdp_keep_last)
         if config.cuda_graphs:   # the graphs read the gathered weights where they recorded them
             cuda_graphs.keep_gathered(model)

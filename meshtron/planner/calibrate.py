@@ -214,6 +214,33 @@ def moe_parts(spec, cfg, device: torch.device, tokens: int, peak: float, repeats
             "moe_bytes_per_copy": rest * hbm_bandwidth(device, 2 ** 26, repeats) / (rows * cfg.dim)}
 
 
+FAMILIES = (("llama", "llama-1B"), ("gpt", "1.3B"), ("moe", "llama-moe-3B"))
+
+
+def host_families(device: torch.device, repeats: int = 10) -> list[list]:
+    """[family, recompute, seconds]: host_seconds' per-layer time of a preset of each model family."""
+    out = []
+    for name, preset in FAMILIES:
+        spec, cfg = models.get(preset)
+        for key, value in host_seconds(spec, cfg, device, repeats).items():
+            if key.startswith("host_layer"):
+                out.append([name, key.removeprefix("host_layer_").removesuffix("_s") if key != "host_layer_s"
+                            else "none", value])
+    return out
+
+
+def fp8_rowwise_efficiency(cfg, device: torch.device, tokens: int, peak: float, repeats: int = 10) -> float:
+    """dtype_matmul_efficiency's fp8 GEMMs with a scale per row of each operand (--fp8 rowwise)."""
+    flops = seconds = 0.0
+    for m, k, n in model_gemms(cfg, tokens):
+        a, b, _ = _fp8_operands(m, k, n, device)
+        sa, sb = torch.ones(m, 1, device=device), torch.ones(1, n, device=device)
+        seconds += _time(lambda a=a, b=b, sa=sa, sb=sb: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16),
+                         device, repeats)
+        flops += 2 * m * k * n
+    return flops / seconds / peak
+
+
 def hbm_bandwidth(device: torch.device, nbytes: int = 2 ** 30, repeats: int = 10) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -266,13 +293,15 @@ def calibrate(model: str, tokens: int, seq_len: int, device: torch.device, quick
     ratios = [["fp32", dtype_matmul_efficiency(cfg, device, tokens, peak, "fp32", repeats) / bf16]]
     if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
         ratios.append(["fp8", dtype_matmul_efficiency(cfg, device, tokens, peak, "fp8", repeats) / bf16])
+        ratios.append(["fp8_rowwise", fp8_rowwise_efficiency(cfg, device, tokens, peak, repeats) / bf16])
     out["matmul_dtype_ratio"] = ratios
     out["attention_fp32_ratio"] = attention_efficiency(
         cfg.dim, cfg.n_heads, device, tokens, seq_len, peak, repeats, torch.float32) / out["attention_efficiency"]
     host = host_seconds(spec, cfg, device, repeats)
     out |= host
+    out["host_layers"] = host_families(device, repeats)
     measured = ["matmul_efficiency", "matmul_curve", "attention_efficiency", "attention_curve", "hbm_bandwidth",
-                "matmul_dtype_ratio", "attention_fp32_ratio", *host]
+                "matmul_dtype_ratio", "attention_fp32_ratio", *host, "host_layers"]
     if getattr(cfg, "moe", None) is not None:
         parts = moe_parts(spec, cfg, device, tokens, peak, repeats)
         out |= parts
@@ -288,28 +317,29 @@ def calibrate(model: str, tokens: int, seq_len: int, device: torch.device, quick
     return out
 
 
-FITTED = ("compute_scale_compiled", "compute_scale_eager", "tp_compute_overhead", "comm_scale", "host_collective_s",
-          "host_collective_compiled_s", "host_microbatch_compiled_s", "bubble_scale", "overlap_cost")
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m meshtron.plan calibrate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-8B", choices=tuple(models.PRESETS), help="whose GEMM shapes to time")
     p.add_argument("--tokens", type=int, default=8192, help="tokens per micro-batch (the GEMMs' m)")
     p.add_argument("--seq-len", type=int, default=2048, help="the attention's sequence length")
-    p.add_argument("--out", required=True, help="the JSON file to write (rank 0)")
+    p.add_argument("--out", help="the JSON file to write (rank 0)")
     p.add_argument("--quick", action="store_true", help="small sizes and few repeats (tests)")
-    p.add_argument("--fit", metavar="ROWS.jsonl", help="fit the multi-GPU terms to these measured steps instead of "
-                   "measuring (meshtron.planner.fit; no GPU needed)")
-    p.add_argument("--gpu", default="h100", help="with --fit: the calibration whose one-GPU figures it keeps")
+    p.add_argument("--fit", action="store_true", help="fit the global terms to the shipped measured steps "
+                   "(calibration/*_measured.jsonl) and write them into the shipped files (no GPU needed)")
+    p.add_argument("--leave-one-out", action="store_true", help="print each measured step predicted by a fit "
+                   "made without it (no GPU needed)")
     a = p.parse_args(argv)
-    if a.fit:
-        from meshtron.planner.fit import fitted_file
-        result = fitted_file(a.fit, a.gpu)
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"fitted to {a.fit}: " + ", ".join(f"{k} {result[k]:.4g}" for k in FITTED))
+    if a.fit or a.leave_one_out:
+        from meshtron.planner import fit
+        rows = fit.shipped_rows()
+        if a.leave_one_out:
+            print(fit.table(fit.leave_one_out(rows)))
+        if a.fit:
+            values = fit.write_fitted(rows)
+            print("fitted: " + ", ".join(f"{k} {v:.4g}" for k, v in values.items()))
         return
+    if not a.out:
+        p.error("--out is needed to measure")
     if "RANK" in os.environ:   # the trainer's rendezvous: under torchrun, or a world of one with no port
         from meshtron.train.lifetime import init_process_group
         init_process_group(600)

@@ -154,7 +154,7 @@ class _Step:
 
 def _step(spec, cfg, par, micro_batch: int, microbatches: int, seq_len: int, rank: int, device: str) -> _Step:
     d = par.degrees()
-    a = _size(par.dtype)
+    a = _size(par.dtype or "bf16")   # a GPU run unless --dtype says otherwise
     n_dense = math.prod(d[x] for x in SUBMESHES["dense_dp"])
     zero = par.zero if n_dense > 1 else 1
     shard_label, k_dense, replica_label = _hsdp_labels(d, n_dense if zero == 0 else par.hsdp)

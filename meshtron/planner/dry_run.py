@@ -68,6 +68,7 @@ def dry_run_rank(config, world: int, rank: int) -> tuple[dict[str, int], dict[tu
 
 def _dry_run_rank(config, world: int, rank: int):
     from torch._subclasses.fake_tensor import FakeTensorMode
+    config = config.on_device("cuda")   # the run it stands for is a GPU one: bf16 unless --dtype says otherwise
     _fake_pg(world, rank)
     try:
         spec, mc, degrees, microbatches, global_batch = resolve_layout(config, world)
@@ -134,6 +135,7 @@ def dry_run(config, world: int, ranks: list[int] | None = None, out=sys.stdout) 
     world of `world`, print its bytes against the planner's, and return them."""
     if dist.is_initialized():
         raise RuntimeError("--dry-run runs on one process, outside torchrun")
+    config = config.on_device("cuda")
     # a bad layout stops here, as it would on the cluster
     spec, mc, degrees, microbatches, global_batch = resolve_layout(config, world)
     bad = [r for r in ranks or () if not 0 <= r < world]

@@ -43,9 +43,6 @@ class Hardware:
     # real step also casts, normalizes and runs the optimizer's kernels)
     compute_scale_compiled: float = 1.0
     compute_scale_eager: float = 1.0
-    # extra GPU time under tp > 1 over the same FLOPs unsplit: SP's norms on shards, the
-    # gathered activations' copies and casts, smaller GEMMs
-    tp_compute_overhead: float = 0.0
     # a collective inside a step over the same collective alone (alpha-beta): concurrent
     # kernels and protocol; the tp, ep and cp collectives it scales are all exposed
     comm_scale: float = 1.0
@@ -62,19 +59,35 @@ class Hardware:
     intra_bus: tuple[tuple[int, float], ...] = ()
     # the pipeline's idle share over its schedule's formula
     bubble_scale: float = 1.0
-    # FP8 (torchao Float8Linear): the converted linears' GEMMs run this much faster per recipe,
-    # and the casts (with their absolute maxima) move this many bytes per element of each linear's
+    # GEMMs in another compute dtype as a fraction of bf16's at the same shapes (measured: fp32 without
+    # TF32, fp8 with tensorwise and with rowwise scales), and fp32 attention's fraction of bf16's
+    matmul_dtype_ratio: tuple[tuple[str, float], ...] = ()
+    attention_fp32_ratio: float = 1.0
+    # FP8's casts (with their absolute maxima) move this many bytes per element of each linear's
     # input and output gradient
-    fp8_matmul_speedup: tuple[tuple[str, float], ...] = (("tensorwise", 1.0), ("rowwise", 1.0))
     fp8_cast_bytes: float = 0.0
+    # (family, recompute, seconds): eager host seconds of one layer of each model family (gpt,
+    # llama, moe: a mixture of experts' routing launches many small kernels); host_layer_s and
+    # its recompute forms stand in for a family not measured
+    host_layers: tuple[tuple[str, str, float], ...] = ()
+    # the eager host time of a training step over calibrate's (the trainer's step adds the loss,
+    # clipping and its own Python to the model's forward and backward)
+    host_scale: float = 1.0
     # where the multi-GPU terms come from: date, machine, commands (`calibrate --fit` writes it)
     fit_source: str = ""
 
-    def fp8_speedup(self, recipe: str) -> float:
-        return dict(self.fp8_matmul_speedup).get(recipe, 1.0)
+    def dtype_ratio(self, dtype: str) -> float:
+        """GEMM speed in `dtype` (fp32, fp16, bf16, fp8 or fp8_rowwise) over bf16's."""
+        if dtype in ("bf16", "fp16"):
+            return 1.0
+        return dict(self.matmul_dtype_ratio).get(dtype, 1.0)
 
-    def host_layer(self, recompute: str) -> float:
-        """Eager host seconds of one layer's forward and backward under `recompute`."""
+    def host_layer(self, recompute: str, family: str = "") -> float:
+        """Eager host seconds of one layer's forward and backward under `recompute`, for a
+        layer of `family` (gpt, llama, moe) where measured."""
+        measured = {(f, mode): s for f, mode, s in self.host_layers}
+        if (family, recompute) in measured:
+            return measured[family, recompute]
         return {"full": self.host_layer_full_s, "selective": self.host_layer_selective_s}.get(recompute) \
             or self.host_layer_s
 

@@ -139,37 +139,80 @@ def comm_s(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: int, 
     return out["tp"], out["ep"], out["cp"], out["pp"], out["dp"], issued
 
 
-def compute_s(cfg, par: ParallelConfig, tokens: int, seq_len: int, hw: Hardware, layers: int,
-              gemm_tokens: float | None = None) -> float:
-    """One rank's compute time for `tokens` tokens of its data-parallel share: the
-    matmuls at the calibrated matmul efficiency for GEMMs of `gemm_tokens` rows (a
-    micro-batch's cp-local tokens; SP gathers the whole of them), causal attention
-    (half of the 12*L*d*T that flops_per_token counts) at the calibrated attention
-    efficiency for its head dim and (cp-local) sequence, and the memory-bound rest
-    at the HBM bandwidth: each saved activation written in forward, read in
-    backward, its gradient written once (3x the saved bytes), and AdamW's pass over
-    this rank's fp32 state (28 bytes per parameter)."""
+# Bytes the memory-bound kernels of a step move, counted from the code that runs them; the
+# machine's measured HBM bandwidth turns them into time.
+PARAM_BYTES = 28 + 12     # per fp32 parameter a rank holds: fused AdamW reads it, its gradient and two
+                          # moments and writes three; the global-norm clip reads each gradient and scales it
+CAST_BYTES = 6 + 8        # per parameter computed with and micro-batch, bf16 compute: the fp32 weight read and
+                          # its bf16 copy written; the bf16 weight gradient written, read and added in fp32
+ACCUMULATE_BYTES = 8      # the same in fp32 compute: each micro-batch's gradient added into the last
+LOSS_BYTES = 16           # per logit: the logits read, log-softmax's fp32 written, read back in backward and
+                          # its gradient written in the compute dtype
+PERMUTE_BYTES = 48        # per routed copy and model dim: a MoE block's gather of the tokens in expert order and
+                          # its gradient's scatter (bf16), the fp32 weighted sum and its gradient
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def family(cfg) -> str:
+    """The model family whose host time a layer takes: moe, llama or gpt."""
+    if getattr(cfg, "moe", None) is not None:
+        return "moe"
+    return "llama" if hasattr(cfg, "ffn_dim") else "gpt"
+
+
+def _expert_params(cfg) -> int:
+    moe = getattr(cfg, "moe", None)
+    if moe is None:
+        return 0
+    per = 3 * cfg.dim * moe.hidden if moe.activation == "swiglu" else 2 * cfg.dim * moe.hidden + moe.hidden + cfg.dim
+    return cfg.n_layers * moe.n_experts * per
+
+
+def compute_s(cfg, par: ParallelConfig, micro_batch: int, microbatches: int, seq_len: int, hw: Hardware,
+              layers: int) -> tuple[float, float]:
+    """(GEMM and attention seconds, memory-bound seconds) of one rank's step, composed from the
+    machine's measured parts:
+    - the matmuls at the calibrated efficiency for GEMMs of a micro-batch's rows (its cp-local
+      tokens; SP gathers the whole of them) in the compute dtype, FP8's block linears at fp8's;
+    - causal attention (half of the 12*L*d*T that flops_per_token counts) at the calibrated
+      efficiency for its head dim, (cp-local) sequence and dtype;
+    - the memory-bound rest at the HBM bandwidth: each saved activation written in forward, read
+      in backward and its gradient written (3x the saved bytes), the loss over the logits, a MoE
+      block's token permutations, and per parameter the optimizer and clipping (what this rank
+      holds) and the compute-dtype copies and gradients (what it computes with, per micro-batch)."""
     d = par.degrees()
+    dtype = par.dtype or "bf16"
+    tokens = micro_batch * microbatches * seq_len          # per data-parallel rank and step
+    local = tokens / d["cp"]
     shard = d["cp"] * d["tp"] * d["pp"]
     attention = 12 * cfg.n_layers * cfg.dim * seq_len * tokens / shard
     matmul = cfg.flops_per_token(seq_len) * tokens / shard - attention
+    fp8 = _block_linear_flops(cfg, seq_len) * tokens / shard if par.fp8 != "none" else 0.0
     if par.recompute == "full":
-        matmul, attention = matmul * 4 / 3, attention * 4 / 3
-    elementwise = 3 * 2 * tokens / d["cp"] * _layer_elements(cfg, d["tp"], par.sp, _routed_blocks(par)) * layers
+        matmul, attention, fp8 = matmul * 4 / 3, attention * 4 / 3, fp8 * 4 / 3
+    efficiency = hw.peak_flops * hw.matmul_at(micro_batch * seq_len / d["cp"])
+    fp8_ratio = hw.dtype_ratio("fp8" if par.fp8 == "tensorwise" else "fp8_rowwise")
+    attention_eff = hw.peak_flops * hw.attention_at(cfg.dim // cfg.n_heads, seq_len / d["cp"]) * \
+        (hw.attention_fp32_ratio if dtype == "fp32" else 1.0)
+    gemms = ((matmul - fp8) / hw.dtype_ratio(dtype) + fp8 / fp8_ratio) / efficiency + attention / 2 / attention_eff
+    elementwise = 3 * DTYPE_BYTES[dtype] * local * _layer_elements(cfg, d["tp"], par.sp, _routed_blocks(par)) * layers
     if par.recompute == "selective":   # the memory-bound ops run again, reading what the matmuls saved
         elementwise *= 4 / 3
-    optimizer = 28 * cfg.num_params() / math.prod(d.values())
-    efficiency = hw.matmul_at(tokens / d["cp"] if gemm_tokens is None else gemm_tokens)
-    attention_eff = hw.attention_at(cfg.dim // cfg.n_heads, seq_len / d["cp"])   # cp: blocks of S/cp keys
-    return (matmul / (hw.peak_flops * efficiency) + attention / 2 / (hw.peak_flops * attention_eff)
-            + (elementwise + optimizer) / hw.hbm_bandwidth)
+    loss = LOSS_BYTES * local * cfg.vocab_size / d["tp"] / d["pp"]
+    moe = getattr(cfg, "moe", None)
+    permute = PERMUTE_BYTES * local * moe.top_k * _routed_blocks(par) * cfg.dim * layers if moe else 0.0
+    computed = (cfg.num_params() - _expert_params(cfg) * (1 - 1 / d["ep"])) / (d["tp"] * d["pp"])
+    per_microbatch = ACCUMULATE_BYTES if dtype == "fp32" else CAST_BYTES
+    params = PARAM_BYTES * cfg.num_params() / math.prod(d.values()) + per_microbatch * computed * microbatches
+    return gemms, (elementwise + loss + permute + params) / hw.hbm_bandwidth
 
 
 @dataclass(frozen=True)
 class StepTerms:
     """A layout's step, before the machine's multi-GPU terms (Hardware's fitted fields)
     combine it (step_time): what `calibrate --fit` fits those terms on."""
-    compute: float           # calibrated matmul, attention and memory-bound seconds (one GPU's calibration)
+    compute: float           # calibrated matmul and attention seconds (one GPU's calibration)
+    memory: float            # the memory-bound kernels' bytes at the measured HBM bandwidth
     fp8_cast: float          # FP8's casts at the HBM bandwidth (before fp8_cast_bytes scales them)
     tp: float                # alpha-beta seconds of each part's collectives
     ep: float
@@ -182,7 +225,6 @@ class StepTerms:
     layers: int
     bubble: float            # the schedule's formula
     compiled: bool
-    tp_split: bool
 
 
 def step_time(t: StepTerms, hw: Hardware) -> tuple[float, float]:
@@ -191,14 +233,14 @@ def step_time(t: StepTerms, hw: Hardware) -> tuple[float, float]:
     host's (launches and dispatch per micro-batch and per collective call; ranks out of step wait
     inside the next collective); the pipeline idles its bubble share of that; FSDP's gathers and
     reductions run behind the compute except one unit's and what the compute cannot cover."""
-    compute = t.compute * (hw.compute_scale_compiled if t.compiled else hw.compute_scale_eager) * \
-        (1 + hw.tp_compute_overhead * t.tp_split) + t.fp8_cast * hw.fp8_cast_bytes
+    compute = (t.compute + t.memory) * (hw.compute_scale_compiled if t.compiled else hw.compute_scale_eager) + \
+        t.fp8_cast * hw.fp8_cast_bytes
     exposed = (t.tp + t.ep + t.cp) * hw.comm_scale
     fsdp = t.fsdp * hw.comm_scale
     if t.compiled:
         host = t.microbatches * hw.host_microbatch_compiled_s + t.calls * hw.host_collective_compiled_s
     else:
-        host = t.host_eager + t.calls * hw.host_collective_s
+        host = t.host_eager * hw.host_scale + t.calls * hw.host_collective_s
     busy = max(compute + exposed, host)
     bubble = min(t.bubble * hw.bubble_scale, 0.95)
     fsdp_exposed = max(0.0, fsdp - compute) + fsdp / max(1, t.layers)
@@ -226,14 +268,11 @@ def step_terms(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: i
     d = par.degrees()
     layers = math.ceil(cfg.n_layers / d["pp"])
     tokens = micro_batch * microbatches * seq_len          # per data-parallel rank and step
-    compute = compute_s(cfg, par, tokens, seq_len, hw, layers, gemm_tokens=micro_batch * seq_len / d["cp"])
+    compute, memory = compute_s(cfg, par, micro_batch, microbatches, seq_len, hw, layers)
     fp8_cast = 0.0
     if par.fp8 != "none":
-        linear = _block_linear_flops(cfg, seq_len) * tokens / (d["cp"] * d["tp"] * d["pp"])
-        compute -= linear / (hw.peak_flops * hw.matmul_at(micro_batch * seq_len / d["cp"])) * \
-            (1 - 1 / hw.fp8_speedup(par.fp8))
         fp8_cast = tokens / d["cp"] * layers * _fp8_cast_elements(cfg, d["tp"]) / hw.hbm_bandwidth
-    host_eager = microbatches * (hw.host_microbatch_s + layers * hw.host_layer(par.recompute))
+    host_eager = microbatches * (hw.host_microbatch_s + layers * hw.host_layer(par.recompute, family(cfg)))
     worst = None
     for rank in _pp_ranks(d):
         comm = comm_s(spec, cfg, par, micro_batch, microbatches, seq_len, hw, gpus_per_node, rank)
@@ -246,8 +285,8 @@ def step_terms(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: i
             hw.peak_flops * hw.attention_at(cfg.dim // cfg.n_heads, seq_len / d["cp"]))
         cp_comm = max(0.0, cp_ring - attention * layers * microbatches)
     bubble = bubble_fraction(par.pp_schedule, d["pp"], microbatches, par.pp_virtual) if d["pp"] > 1 else 0.0
-    return StepTerms(compute, fp8_cast, tp_comm, ep_comm, cp_comm, pp_comm, fsdp, calls, host_eager, microbatches,
-                     layers, bubble, par.compile, d["tp"] > 1)
+    return StepTerms(compute, memory, fp8_cast, tp_comm, ep_comm, cp_comm, pp_comm, fsdp, calls, host_eager,
+                     microbatches, layers, bubble, par.compile)
 
 
 def predict(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: int, seq_len: int, hw: Hardware,
