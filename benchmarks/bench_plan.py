@@ -92,6 +92,15 @@ SUITES = {   # world size, [recipe flags]
         ["4", "--model", "350M", "--seq-len", "2048", "--micro-batch", "4", "--dtype", "fp32"],
         ["1", "--model", "llama-617M", "--seq-len", "65536", "--micro-batch", "1", "--compile"],
     )]),
+    # shapes none of the fitted rows has, predicted by the fit made without them
+    "held_out_1gpu": (1, [[*flags[1:], "--global-batch", flags[0]] for flags in (
+        ["2", "--model", "llama-3B", "--seq-len", "8192", "--micro-batch", "1", "--compile"],
+        ["4", "--model", "2.7B", "--seq-len", "2048", "--micro-batch", "4", "--compile"],
+        ["1", "--model", "llama-1B", "--seq-len", "32768", "--micro-batch", "1", "--compile"],
+        ["4", "--model", "llama-moe-3B", "--seq-len", "2048", "--micro-batch", "2"],
+        ["16", "--model", "350M", "--seq-len", "2048", "--micro-batch", "16", "--fused-loss", "--compile"],
+        ["4", "--model", "llama-1B", "--seq-len", "2048", "--micro-batch", "4", "--fp8", "tensorwise"],
+    )]),
 }
 
 
