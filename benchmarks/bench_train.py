@@ -6,7 +6,7 @@ registered model under any layout.
     torchrun --nproc-per-node 4 benchmarks/bench_train.py --layouts fsdp4,tp2dp2,tp4 --model llama-1B --out $OUT
     python benchmarks/bench_train.py --summarize $OUT/results.jsonl [--peer $OUT/torchtitan.jsonl]
 
-    # FP8 against bf16 on one GPU (notes/fp8.md; torchao installed)
+    # FP8 against bf16 on one GPU (benchmarks/RESULTS.md; torchao installed)
     python benchmarks/bench_train.py --layouts 1gpu_compile,1gpu_fp8_compile,1gpu_fp8_rowwise_compile \
         --model llama-1B --untie-embeddings --micro-batch 16 --seq-len 2048 --out $OUT
 

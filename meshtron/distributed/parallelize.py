@@ -22,7 +22,7 @@ precision. One process (--mixed-precision autocast, the default) skips FSDP:
 torch.autocast on its fp32 weights, the embeddings' outputs cast to bf16 so that
 the residual stream is bf16 as under FSDP (data_parallel.cast_embeddings); FSDP on
 a one-rank mesh only adds copies into and out of buffers that move nothing
-(notes/perf.md). --mixed-precision fsdp keeps FSDP there.
+(docs/parallelism.md, Mixed precision). --mixed-precision fsdp keeps FSDP there.
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def apply_fp8(model: nn.Module, mesh: DeviceMesh, config: LayoutOptions, skip=fl
     """--fp8: the model's convertible linears to Float8Linear (first: TP then shards
     their weights). Tensorwise weights are gathered in fp8 where FSDP shards them over
     dp > 1 ranks; on one dp rank its gather is a local copy, and casting there to bf16
-    and to fp8 inside the compiled block was the faster of the two (notes/fp8.md)."""
+    and to fp8 inside the compiled block was the faster of the two (docs/parallelism.md, FP8 matmuls)."""
     fsdp = degree(mesh, "dense_dp") > 1
     names = float8.convert(model, config.fp8, mesh.device_type, skip=skip, tp=degree(mesh, "tp"),
                            fsdp_all_gather=fsdp)
