@@ -448,7 +448,7 @@ def _hf_configs_save_and_resume(rank, world, root, arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
-def test_a_transformers_config_read_from_a_saved_model_saves_resumes_and_refuses_another(pools, tmp_path, arch):
+def test_a_saved_transformers_config_saves_resumes_and_refuses_another(pools, tmp_path, arch):
     pytest.importorskip("transformers")
     resumed, refusal = pools.run(1, _hf_configs_save_and_resume, str(tmp_path), arch)[0]
     assert resumed == 3

@@ -154,7 +154,7 @@ def test_a_worker_dies_with_its_parent(use_prctl):
 
 # ---- point 3: one live run per checkpoint directory -----------------------------------
 
-def test_the_lock_names_its_holder_is_released_and_a_dead_holders_lock_is_taken_over(tmp_path):
+def test_lock_names_its_holder_is_released_and_a_dead_holders_is_taken_over(tmp_path):
     first = DirectoryLock(str(tmp_path))
     assert first.acquire() is None                       # a fresh directory
     host = socket.gethostname()
@@ -198,7 +198,7 @@ def _run_catching(rank, world, argv):
     return losses, printed.getvalue()
 
 
-def test_a_held_directory_is_refused_before_training_and_taken_over_once_its_holder_died(pools, tmp_path):
+def test_a_held_directory_is_refused_and_taken_over_once_its_holder_died(pools, tmp_path):
     ck, metrics, log = tmp_path / "ck", tmp_path / "m.jsonl", tmp_path / "holder.log"
     with open(log, "w") as out:
         holder = subprocess.Popen([sys.executable, RECIPE] + TINY + [

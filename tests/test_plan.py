@@ -230,7 +230,7 @@ def test_the_table_adds_up_names_ties_once_and_launches_every_node(capsys):
                "$JOB_ID recipes/train.py" in c for c in commands)
 
 
-def test_a_gpu_count_that_is_not_whole_nodes_is_refused_in_one_line_and_nodes_times_processes_is_the_world(capsys):
+def test_gpus_not_whole_nodes_are_refused_and_nodes_times_processes_is_the_world(capsys):
     args = ["--model", "llama-1B", "--seq-len", "2048", "--global-batch", "48", "--gpu", "h100", "--top", "5"]
     with pytest.raises(SystemExit) as e:
         cli.main(args + ["--gpus", "12"])

@@ -311,7 +311,7 @@ def _schedule(rank, world):
     return fwd.seen, bwd.seen
 
 
-def test_the_overlapped_dispatch_starts_each_all_to_all_before_the_other_chunks_gemms(pools):
+def test_overlapped_dispatch_starts_each_all_to_all_before_the_other_chunks_gemms(pools):
     # forward: dispatch A, dispatch B, experts A (beside B's), combine A, experts B (beside A's),
     # combine B; backward (autograd's order): combine B's and A's gradients, experts B (beside
     # A's), dispatch B's, experts A (beside B's), dispatch A's
