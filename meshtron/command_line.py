@@ -96,9 +96,15 @@ class OneLineParser(argparse.ArgumentParser):
         raise ConfigError(f"{message} (see --help)")
 
 
+# --layout-trials' default; the steps the planner's timings leave out (the first compiles and warms
+# up, the second may still: recompiles, caches); a trial's steps (meshtron.train.planned runs them)
+LAYOUT_TRIALS, WARMUP_STEPS = 3, 2
+TRIAL_STEPS = WARMUP_STEPS + 3
+
+
 def parser(sections: dict, description: str | None = None, models=None) -> argparse.ArgumentParser:
     """The flags of every field of `sections` (section name -> its dataclass), and the
-    recipe's actions (--config, --print-config, --dry-run, --layout)."""
+    recipe's actions (--config, --print-config, --dry-run, --layout, --layout-trials)."""
     p = OneLineParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None, help="a TOML file with the sections below; flags override it")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as such a file and exit")
@@ -108,9 +114,15 @@ def parser(sections: dict, description: str | None = None, models=None) -> argpa
                         "--layout auto, print the chosen layout and its command for N ranks (default N: the "
                         "launcher's world size) and exit (default: off)")
     p.add_argument("--layout", default=None, choices=("auto",),
-                   help="auto: train with the planner's fastest layout that fits this world size, model, "
-                        "--seq-len and --global-batch (it sets --dp ... --micro-batch; docs/planner.md) "
+                   help="auto: the planner ranks the layouts of this world size, model, --seq-len and "
+                        "--global-batch that fit the device's free memory less 10%% (the layout flags given "
+                        "constrain them), runs the fastest few a few steps each here (--layout-trials), records "
+                        "them for its next plan and trains with the fastest measured (docs/planner.md) "
                         "(default: the layout flags as given)")
+    p.add_argument("--layout-trials", type=int, default=None, metavar="N",
+                   help=f"--layout auto: the planner's N fastest layouts tried {TRIAL_STEPS} steps each on every "
+                        f"rank (timed after the first {WARMUP_STEPS}, which compile and warm up); 0: its first "
+                        f"choice, untried (default: {LAYOUT_TRIALS})")
     p.add_argument("--dry-run-ranks", default=None, metavar="R,R,...",
                    help="only these ranks of the dry run (default: all)")
     for section, cls in sections.items():

@@ -8,14 +8,18 @@ torch, which takes seconds on every rank, so a mistake in them shows at once;
 then it starts the process group, trains (meshtron/train/trainer.py) and reports
 any problem of the user's as one line (lifetime.one_line_errors). `--dry-run`
 hands the config to the planner instead; `--layout auto` asks the planner for
-the layout first (meshtron.train.planned).
+the layout first, and tries its best few on every rank (meshtron.train.trial).
 
 Test hooks (environment, not flags): MESHTRON_EXIT_AFTER=N stops after N steps
 of this run (the schedule still spans --steps); MESHTRON_CRASH_AT_STEP=N kills
 rank 1 at step N on a torchrun job's first attempt (fault-recovery tests);
 MESHTRON_HOLD_SAVE_AT_STEP=N holds the background save of step N (--checkpoint-async)
 forever once its shards are written, before it is renamed into place, after rank 0
-prints `holding the save of step N` (a kill during the write, deterministically).
+prints `holding the save of step N` (a kill during the write, deterministically);
+MESHTRON_FREE_MEMORY_GIB=X stands in for the device's free memory that --layout auto reads
+(meshtron.train.planned),
+MESHTRON_TRIAL_FAIL=K:R fails its trial K (from 1) on rank R before the trial's second step, the
+failed process staying as a GPU's may to NCCL (meshtron.train.trial).
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import os
 import sys
 import threading
 
+from meshtron.command_line import LAYOUT_TRIALS
 from meshtron.config import Config, ConfigError
 from meshtron.models import presets
 from meshtron.train.lifetime import init_process_group, one_line_errors
@@ -66,17 +71,19 @@ def _hold_hook(rank: int):
 def main(argv=None, *, description: str | None = None, exit_after: int | None = None) -> list[float]:
     """Parse, check, build, train; returns the losses. Used by recipes/train.py and tests."""
     config, args = Config.parse(argv, description, presets.TRAINING)
-    if args.layout == "auto":   # the planner picks the layout before anything is built
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if args.layout_trials is not None and args.layout != "auto":
+        raise ConfigError("--layout-trials tries --layout auto's candidates: it needs --layout auto")
+    if args.layout_trials is not None and args.layout_trials < 0:
+        raise ConfigError(f"--layout-trials must be at least 0, not {args.layout_trials}")
+    if args.layout == "auto" and args.dry_run is not None:   # the planner's choice and its command; nothing runs
         from meshtron.train import planned
         world = args.dry_run or _env_int("WORLD_SIZE") or 1
-        config, pred = planned.choose(config, world, _env_int("LOCAL_WORLD_SIZE") or world,
-                                      planned.calibration_gpu())
+        lines = planned.dry_run_lines(config, argv, world, _env_int("LOCAL_WORLD_SIZE") or world, presets.TRAINING)
         if os.environ.get("RANK", "0") == "0":
-            print(planned.choice_line(pred, world, planned.calibration_gpu()), flush=True)
-        if args.dry_run is not None:
-            print(planned.command_line(list(sys.argv[1:] if argv is None else argv), pred, world), flush=True)
-            return []
-    elif args.dry_run == 0:
+            print("\n".join(lines), flush=True)
+        return []
+    if args.dry_run == 0:
         raise ConfigError("--dry-run needs N, the world size to build (or --layout auto)")
     if args.dry_run is not None:
         from meshtron.planner.dry_run import dry_run  # the planner and the fake process group, only when asked
@@ -94,6 +101,10 @@ def main(argv=None, *, description: str | None = None, exit_after: int | None = 
     created = not dist.is_initialized()
     init_process_group(config.training.pg_timeout)
     try:
+        if args.layout == "auto":   # the planner's layout, tried here first: every rank runs the trials
+            from meshtron.train import trial
+            trials = LAYOUT_TRIALS if args.layout_trials is None else args.layout_trials
+            config, _ = trial.auto(config, argv, trials, presets.TRAINING)
         if exit_after is None:
             exit_after = _env_int("MESHTRON_EXIT_AFTER")
         trainer = Trainer(config)

@@ -1,34 +1,162 @@
-"""The planner inside the recipe: `--layout auto` takes its fastest layout that fits
-for the world size, model, sequence and global batch; every finished run compares its
-step time with the planner's prediction for its layout (one line), so each run checks
-the cost model (meshtron.planner.plan; its calibration: docs/planner.md).
+"""The planner inside the recipe. `--layout auto` ranks the layouts of the job (world size,
+model, --seq-len, --global-batch; the layout flags given constrain them) that fit the
+device's free memory less MARGIN (`ranked`, with the device's measured rows applied:
+meshtron.planner.records); meshtron.train.trial runs the fastest few and trains with the
+fastest measured, and `dry_run_lines` prints the choice and its command. Every finished run
+compares its training steps' time with the planner's prediction for its layout (one line),
+so each run checks the cost model (meshtron.planner.plan; docs/planner.md).
 
-The calibration is the GPU's (h100 or h200 by the device's name, h200 for other GPUs);
-on a CPU the prediction is an H100's, and says so: there is no CPU calibration.
+Memory comes from the device itself: a GPU's free memory (the least over the ranks), on a
+CPU the machine's available memory over its ranks. Time comes from the device's shipped
+calibration (h100, h200), else from the nearest one's, and the lines say so.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import os
+import re
+import statistics
+from dataclasses import dataclass
 
 import torch
 
 from meshtron import models
-from meshtron.config import Config, ConfigError, ParallelConfig
+from meshtron.command_line import WARMUP_STEPS, parser, read_toml
+from meshtron.config import SECTIONS, Config, ConfigError
 from meshtron.distributed.mesh import resolve_degrees
 
 GiB = 2 ** 30
-# the flags --layout auto sets: a user's own value of any of them would be overridden
+# the flags --layout auto sets; a user's own value of one constrains its search
 LAYOUT_FIELDS = ("dp", "pp", "cp", "tp", "ep", "sp", "zero", "hsdp", "pp_schedule", "pp_virtual", "microbatches",
                  "recompute")
+CHOSEN = (*LAYOUT_FIELDS, "micro_batch")
+# of the device's free memory, left for what the memory model does not count (the allocator's
+# fragmentation, CUDA and NCCL buffers, the host's own use)
+MARGIN = 0.1
 
 
-def calibration_gpu(device: torch.device | None = None) -> str:
-    """The shipped calibration of this machine's GPU."""
-    if device is not None and device.type == "cuda" or device is None and torch.cuda.is_available():
-        return "h100" if "H100" in torch.cuda.get_device_name(device) else "h200"
-    return "h100"
+def local_device() -> torch.device:
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def calibration_of(device: torch.device) -> tuple[str, str]:
+    """(the shipped calibration the planner times `device` with, the device it stands in for:
+    "" where it is the device's own)."""
+    from meshtron.planner.hardware import GPUS
+    if device.type != "cuda":
+        return "h100", "the CPU"
+    name = torch.cuda.get_device_name(device)
+    for gpu in GPUS:
+        if re.search(rf"\b{gpu}\b", name, re.IGNORECASE):
+            return gpu, ""
+    total = torch.cuda.get_device_properties(device).total_memory
+    return min(GPUS, key=lambda g: abs(math.log(GPUS[g].memory_bytes / total))), name
+
+
+def time_source(gpu: str, missing: str) -> str:
+    if not missing:
+        return f"the {gpu.upper()}'s calibration"
+    if missing == "the CPU":
+        return f"the {gpu.upper()}'s calibration (there is no CPU calibration)"
+    return f"the {gpu.upper()}'s calibration, the nearest (there is none for the {missing})"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The memory a rank may plan for."""
+    free: float | None   # bytes free on the device (the least over the ranks); None: not known, no limit
+    said: str            # where `free` was read
+
+    @property
+    def limit(self) -> float | None:
+        return None if self.free is None else self.free * (1 - MARGIN)
+
+    def line(self, ranks: int, time: str) -> str:
+        over = f", the least over {ranks} ranks" if ranks > 1 else ""
+        memory = f"no limit ({self.said})" if self.free is None else \
+            (f"{self.free / GiB:.1f} GiB a rank{over} ({self.said}), planned to {self.limit / GiB:.1f} GiB "
+             f"(a {MARGIN:.0%} margin)")
+        return f"layout auto: memory: {memory}; time: {time}"
+
+
+def read_budget(device: torch.device, local_ranks: int) -> Budget:
+    """This rank's device's free memory (MESHTRON_FREE_MEMORY_GIB stands in for it: the tests')."""
+    seam = os.environ.get("MESHTRON_FREE_MEMORY_GIB")
+    if seam is not None:
+        try:
+            return Budget(float(seam) * GiB, "set by MESHTRON_FREE_MEMORY_GIB")
+        except ValueError:
+            raise ConfigError(f"MESHTRON_FREE_MEMORY_GIB={seam!r} must be a number of GiB") from None
+    if device.type == "cuda":
+        return Budget(torch.cuda.mem_get_info(device)[0], f"free on the {torch.cuda.get_device_name(device)}")
+    available = _available_ram()
+    if available is None:
+        return Budget(None, "a CPU has no device memory, and this machine's available memory is unknown")
+    return Budget(available / local_ranks, f"this machine's available memory over its {local_ranks} ranks: a CPU "
+                                           "has no device memory")
+
+
+def _available_ram() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def given_fields(argv: list[str], presets=None) -> list[str]:
+    """The CHOSEN fields the command line (or its --config file) sets, whatever their value."""
+    unset = object()
+    p = parser(SECTIONS, models=presets)
+    p.set_defaults(**dict.fromkeys(CHOSEN, unset))
+    args, _ = p.parse_known_args(argv)
+    found = {f for f in CHOSEN if getattr(args, f) is not unset}
+    if args.config:
+        found |= set(read_toml(args.config, SECTIONS, presets))
+    return [f for f in CHOSEN if f in found]
+
+
+def _value_of(config: Config, field: str):
+    return config.training.micro_batch if field == "micro_batch" else getattr(config.parallel, field)
+
+
+def _keeps(pred, config: Config, given: list[str]) -> bool:
+    """Whether a layout has the values of the given flags."""
+    for f in given:
+        want = _value_of(config, f)
+        if f == "micro_batch":
+            ok = pred.micro_batch == want
+        elif f == "microbatches":
+            ok = pred.microbatches == want
+        elif f == "dp" and want == -1:   # what the world size leaves: any
+            ok = True
+        elif f == "zero" and pred.par.dp * pred.par.cp * pred.par.ep == 1:   # nothing to shard: every stage runs as 1
+            ok = True
+        else:
+            ok = getattr(pred.par, f) == want
+        if not ok:
+            return False
+    return True
+
+
+def _given_text(config: Config, given: list[str]) -> str:
+    out = []
+    for f in given:
+        value, flag = _value_of(config, f), "--" + f.replace("_", "-")
+        out.append((flag if value else f"--no-{flag[2:]}") if isinstance(value, bool) else f"{flag} {value}")
+    return " ".join(out)
 
 
 def _model_config(config: Config):
@@ -36,36 +164,64 @@ def _model_config(config: Config):
     return spec, spec.configure(preset, config.model)
 
 
-def choose(config: Config, world: int, gpus_per_node: int, gpu: str):
-    """(the config with the planner's fastest layout that fits, its Prediction)."""
-    from meshtron.planner import plan
-    config = config.on_device("cuda" if torch.cuda.is_available() else "cpu")
+def ranked(config: Config, world: int, gpus_per_node: int, gpu: str, budget: Budget, given: list[str],
+           rows: list[dict], device: str) -> tuple[list, str | None]:
+    """(the layouts of the job that keep the given flags and fit the budget, fastest first, with
+    the device's measured rows applied; the line that says how the rows were applied, or None).
+    Nothing that fits is one line: the smallest layout's need and the budget."""
+    from meshtron.planner import plan, records
     par, tr = config.parallel, config.training
-    default = ParallelConfig()
-    given = [f"--{f.replace('_', '-')}" for f in LAYOUT_FIELDS if getattr(par, f) != getattr(default, f)]
-    if given:
-        raise ConfigError(f"--layout auto chooses the layout itself: leave out {', '.join(given)}")
     if tr.global_batch is None:
         raise ConfigError("--layout auto needs --global-batch (samples per step), to split it over the ranks")
     _, cfg = _model_config(config)
     fit, over = plan.plan(config.model.model, tr.seq_len, tr.global_batch, world, min(gpus_per_node, world), gpu,
                           compile=par.compile, fp8=par.fp8, cfg=cfg, dtype=par.dtype)
-    if not fit:
-        hw = plan.hardware(gpu)
-        smallest = f"; the smallest needs {over[0].memory / GiB:.1f} GiB ({over[0].flags()})" if over else ""
-        raise ConfigError(f"--layout auto: no layout of {config.model.model} at global batch {tr.global_batch} x "
-                          f"{tr.seq_len} fits {world} x {gpu} ({hw.memory_bytes / GiB:.0f} GiB each){smallest}: "
-                          "more GPUs, a smaller global batch or sequence")
-    best = fit[0]
-    chosen = dataclasses.replace(par, **{f: getattr(best.par, f) for f in LAYOUT_FIELDS})
-    training = dataclasses.replace(tr, micro_batch=best.micro_batch)
-    return dataclasses.replace(config, parallel=chosen, training=training), best
+    every = [p for p in fit + over if _keeps(p, config, given)]
+    job = f"{config.model.model} at global batch {tr.global_batch} x {tr.seq_len} on {world} ranks"
+    if not every:
+        raise ConfigError(f"--layout auto: none of the {len(fit + over)} layouts the planner finds for {job} has "
+                          f"{_given_text(config, given)}: change or leave out one of those flags")
+    every, note = records.correct(every, rows, config, world, gpus_per_node, plan.hardware(gpu), device)
+    limit = math.inf if budget.limit is None else budget.limit
+    fitting = sorted((p for p in every if p.memory <= limit), key=lambda p: (p.step_s, p.memory))
+    if not fitting:
+        smallest = min(every, key=lambda p: p.memory)
+        kept = f" with {_given_text(config, given)}" if given else ""
+        raise ConfigError(f"--layout auto: no layout of {job}{kept} fits {limit / GiB:.1f} GiB a rank "
+                          f"({budget.said}: {budget.free / GiB:.1f} GiB, less {MARGIN:.0%}); the smallest needs "
+                          f"{smallest.memory / GiB:.1f} GiB ({smallest.flags()}): more GPUs, a smaller global batch "
+                          "or sequence")
+    return fitting, note
 
 
-def choice_line(pred, world: int, gpu: str) -> str:
+def configured(config: Config, pred) -> Config:
+    """`config` with a planned layout's flags."""
+    par = dataclasses.replace(config.parallel, **{f: getattr(pred.par, f) for f in LAYOUT_FIELDS})
+    return dataclasses.replace(config, parallel=par,
+                               training=dataclasses.replace(config.training, micro_batch=pred.micro_batch))
+
+
+def choice_line(pred, world: int, gpu: str, config: Config) -> str:
     from meshtron.planner.hardware import calibration_line
+    moe = getattr(_model_config(config)[1], "moe", None) is not None
+    estimate = ("; MoE: the step time is an estimate (routing and grouped GEMMs are not modelled yet), the trials "
+                "are the measure") if moe else ""
     return (f"layout auto: {pred.flags()} on {world} ranks: predicted {pred.step_s * 1e3:.1f} ms a step, "
-            f"{pred.memory / GiB:.1f} GiB on the fullest rank (calibration {calibration_line(gpu)})")
+            f"{pred.memory / GiB:.1f} GiB on the fullest rank (calibration {calibration_line(gpu)}){estimate}")
+
+
+def dry_run_lines(config: Config, argv: list[str], world: int, gpus_per_node: int, presets=None) -> list[str]:
+    """`--layout auto --dry-run`: the budget, the choice and the command that runs it (no trials:
+    nothing runs), planned with this machine's device."""
+    from meshtron.planner import records
+    device = local_device()
+    config = config.on_device(device.type)
+    gpu, missing = calibration_of(device)
+    budget = read_budget(device, gpus_per_node)
+    fit, note = ranked(config, world, gpus_per_node, gpu, budget, given_fields(argv, presets),
+                       records.read(device_name(device)), device_name(device))
+    return [budget.line(1, time_source(gpu, missing)), *([f"layout auto: {note}"] if note else []),
+            choice_line(fit[0], world, gpu, config), command_line(argv, fit[0], world, presets)]
 
 
 def predicted_step_s(config: Config, world: int, microbatches: int, gpus_per_node: int, gpu: str) -> float:
@@ -80,36 +236,48 @@ def predicted_step_s(config: Config, world: int, microbatches: int, gpus_per_nod
                         min(gpus_per_node, world)).step_s
 
 
-def comparison_line(config: Config, world: int, microbatches: int, measured_s: float | None,
+def comparison_line(config: Config, world: int, microbatches: int, step_s: list[float],
                     device: torch.device) -> str:
-    """A finished run's measured step time against the planner's prediction, one line."""
-    gpu = calibration_gpu(device)
-    where = gpu if device.type == "cuda" else f"{gpu} (no CPU calibration: an {gpu.upper()}'s prediction)"
+    """A finished run's training steps (those after WARMUP_STEPS; each step's own time, evaluation
+    and saves left out) against the planner's prediction for its layout, one line; where the
+    device has no calibration of its own, no percentage: the prediction is another device's."""
+    gpu, missing = calibration_of(device)
     try:
         pred = predicted_step_s(config, world, microbatches, int(os.environ.get("LOCAL_WORLD_SIZE", world)), gpu)
     except Exception as e:   # noqa: BLE001 -- the run itself succeeded: a planner gap is reported, not raised
         return f"planner: no prediction for this layout ({type(e).__name__}: {e})"
-    if measured_s is None or not math.isfinite(measured_s):
-        return f"planner: predicted {pred * 1e3:.1f} ms a step on {where}; too few steps to measure one"
-    return (f"planner: measured {measured_s * 1e3:.1f} ms a step, predicted {pred * 1e3:.1f} ms on {where} "
-            f"({pred / measured_s - 1:+.0%})")
+    timed = step_s[WARMUP_STEPS:]
+    if not timed:
+        return (f"planner: predicted {pred * 1e3:.1f} ms a step on {gpu}; too few steps to time one (the first "
+                f"{WARMUP_STEPS} warm up and compile)")
+    measured = statistics.fmean(timed)
+    which = f"{len(timed)} training steps after the first {WARMUP_STEPS}"
+    if missing:
+        return (f"planner: measured {measured * 1e3:.1f} ms a step ({which}); no calibration of {missing}: an "
+                f"{gpu.upper()}'s prediction, {pred * 1e3:.1f} ms, is no check of it")
+    return (f"planner: measured {measured * 1e3:.1f} ms a step ({which}), predicted {pred * 1e3:.1f} ms on {gpu} "
+            f"({pred / measured - 1:+.0%})")
 
 
-def command_line(argv: list[str], pred, world: int) -> str:
-    """The command `--layout auto` would run: the user's flags with the chosen layout's,
-    each flag once (the layout's own, given by the user too, only as the layout has it)."""
+def command_line(argv: list[str], pred, world: int, presets=None) -> str:
+    """The command `--layout auto` would run: the user's flags but --layout's own and those the
+    layout names, then the layout's: each flag once."""
     chosen = pred.flags()
-    drop = {t for t in chosen.split() if t.startswith("--")} | {"--layout", "--dry-run"}
-    keep, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            if not a.startswith("-"):
-                continue
-        if a in drop:
-            skip = True   # and its value
+    names = {t for t in chosen.split() if t.startswith("--")} | {"--layout", "--layout-trials", "--dry-run",
+                                                                   "--dry-run-ranks"}
+    actions = parser(SECTIONS, models=presets)._option_string_actions   # each flag's action, by its spellings
+    keep, i = [], 0
+    while i < len(argv):
+        token = argv[i]
+        name, eq, _ = token.partition("=")
+        matches = {a for s, a in actions.items() if s == name} or \
+            {a for s, a in actions.items() if s.startswith(name) and name.startswith("--")}   # argparse's abbreviations
+        action = next(iter(matches)) if len(matches) == 1 else None
+        i += 1
+        if action is None or not names & set(action.option_strings):
+            keep.append(token)
             continue
-        if a.partition("=")[0] in drop:
-            continue
-        keep.append(a)
-    return f"meshtron-run --nproc-per-node {world} recipes/train.py {' '.join(keep)} {chosen}".replace("  ", " ")
+        if not eq and action.nargs is None or action.nargs == "?" and not eq and i < len(argv) and \
+                not argv[i].startswith("-"):
+            i += 1   # its value
+    return " ".join(["meshtron-run --nproc-per-node", str(world), "recipes/train.py", *keep, chosen])

@@ -399,10 +399,12 @@ class Trainer:
                  f"{tr.micro_batch} | {self.loader.n_samples} samples"
                  + masked)
         losses, t_start = [], time.perf_counter()
+        self.step_s = []   # each step's own seconds, evaluation and saves left out: what the planner's lines time
         last = min(tr.steps, self.start + exit_after) if exit_after else tr.steps
         for step in range(self.start + 1, last + 1):
             if on_step is not None:
                 on_step(step)
+            t_step = time.perf_counter()
             x, y, inputs = self.next_batch()
             loss, norm = self.step(x, y, inputs)
             # this rank's samples stand for the global batch's: no collective for a log figure
@@ -413,14 +415,18 @@ class Trainer:
                 self.prepare_saves()
             if step % tr.log_interval == 0 or step == tr.steps or step == self.start + 1:
                 self._report(step, float(losses[-1]), float(norm), meter.report(), time.perf_counter() - t_start)
-            if step == self.start + 1:   # the first step compiles and warms up: the planner's check times the rest
-                t_first = time.perf_counter()
-            if self.eval_loader is not None and (step % c.data.eval_interval == 0 or step == tr.steps):
+            evaluating = self.eval_loader is not None and (step % c.data.eval_interval == 0 or step == tr.steps)
+            saving = bool(ck.checkpoint_dir) and (step % ck.checkpoint_interval == 0 or step == tr.steps)
+            if (evaluating or saving or step == last or step - self.start <= planned.WARMUP_STEPS) and \
+                    self.device.type == "cuda":   # the step's queued kernels are its time, not the next thing's
+                torch.cuda.synchronize(self.device)
+            self.step_s.append(time.perf_counter() - t_step)
+            if evaluating:
                 eval_loss = self.evaluate()
                 self.run_log.record(step, {"eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 80))},
                                     f"eval {step:>6}/{tr.steps} | loss {eval_loss:.4f} | ppl "
                                     f"{math.exp(min(eval_loss, 80)):.2f}")
-            if ck.checkpoint_dir and (step % ck.checkpoint_interval == 0 or step == tr.steps):
+            if saving:
                 self.save_checkpoint(step, before_publish)
             elif self.saver is not None:
                 self._saved(self.saver.poll())
@@ -441,10 +447,7 @@ class Trainer:
                 host = " (host RSS)" if self.device.type == "cpu" else ""
                 self.log(f"rank {r} stages {ids}: peak mem {mem:.2f} GiB{host}")
         if losses and dist.get_rank() == 0:   # beside the closing line: each run checks the planner's cost model
-            float(losses[-1])   # the device done with the last step
-            done = last - self.start
-            measured = (time.perf_counter() - t_first) / (done - 1) if done > 1 else None
-            self.log(planned.comparison_line(c, dist.get_world_size(), self.microbatches, measured, self.device))
+            self.log(planned.comparison_line(c, dist.get_world_size(), self.microbatches, self.step_s, self.device))
         waited = self._finish_saves()   # its line, if any, then the closing one, which says it waited
         self._closing_line(losses, last, time.perf_counter() - t_start, waited)
         self.close()
