@@ -85,27 +85,22 @@ class ParallelConfig:
     """expert-parallel degree"""
     sp: bool = False
     """sequence parallelism (needs tp > 1)"""
-    async_tp: bool = False
-    ("overlap SP's all-gathers and reduce-scatters with the matmuls next to them (needs --sp); measured no "
-     "faster: tp4 on four H100s 34.5k against 38.1k tokens/s/GPU, tp2 on two H200s even, tp2 on two H100s "
-     "54.5k against 54.1k, inside the spread between runs (llama-1B, compiled; benchmarks/RESULTS.md)")
     tp_overlap: bool = False
-    ("tensor parallelism's backward, dense Llama blocks: the reduce-scatter (all-reduce without --sp) of the "
-     "column-parallel linears' input gradient runs under their weight-gradient matmuls (Megatron's); measured "
-     "no faster: tp2 on two H100s hid 26 ms of communication and slowed those matmuls 24 ms (benchmarks/RESULTS.md)")
+    ("dense Llama blocks under tp: the column-parallel linears' backward starts their input gradient's "
+     "reduce-scatter (all-reduce without --sp) and computes their weight gradients while it travels "
+     "(Megatron's overlap). NCCL's kernels take SMs from those matmuls, which slow by about what is hidden: "
+     "use it with --sp --tp-overlap-comm copy-engine on CUDA GPUs, where tp's exposed communication bounds the step")
     tp_overlap_comm: str = field(default="nccl", metadata={"choices": ("nccl", "copy-engine")})
     ("the collective --tp-overlap hides under --sp: nccl (NCCL's reduce-scatter kernels, which take SMs from "
-     "the matmuls beside them) or copy-engine (CUDA only: the bytes pushed with cudaMemcpy over torch's "
-     "symmetric memory, then summed; benchmarks/RESULTS.md)")
+     "the matmuls beside them) or copy-engine (CUDA only: each rank pushes its peers' blocks with cudaMemcpy "
+     "into torch's symmetric memory, then adds what arrived; the matmuls keep their SMs)")
     cp_comm: str = field(default="p2p", metadata={"choices": ("p2p", "allgather", "a2a")})
     """context-parallel attention: p2p (ring), allgather (K/V) or a2a (Ulysses, heads)"""
-    moe_dispatch: str = field(default="auto", metadata={"choices": ("auto", "exact", "padded", "overlap")})
+    moe_dispatch: str = field(default="auto", metadata={"choices": ("auto", "exact", "padded")})
     ("mixture of experts under --ep: exact all-to-alls (split sizes copied to the host: one device sync "
      "per layer), padded ones (equal splits of every rank's copies: no host sync, ep x the all-to-all "
-     "bytes and buffers), overlap (the exact ones in two token chunks, each chunk's all-to-alls beside "
-     "the other's expert GEMMs), or auto: padded at --ep 2, exact above. Measured on two H200s, "
-     "llama-moe-3B --ep 2 --compile: padded 1.08-1.16x exact's tokens/s in three calls; overlap slower "
-     "than exact on two H100s (benchmarks/RESULTS.md)")
+     "bytes and buffers), or auto: padded at --ep 2, where the doubled bytes cost less than the host sync, "
+     "exact above, where the padding grows with ep")
     loss_parallel: bool = True
     """cross-entropy on vocab-sharded logits under tp (else the logits are gathered)"""
     fused_loss: bool = False
@@ -114,14 +109,6 @@ class ParallelConfig:
     """ZeRO stage over the data-parallel axes (0 = DDP)"""
     hsdp: int = 1
     """HSDP replica groups (1 = plain FSDP)"""
-    fsdp_prefetch: int = 1
-    ("FSDP: blocks whose all-gathers are issued ahead of use, in forward and in backward (1: FSDP2's own); "
-     "measured no faster: 2 on llama-8B dp4 ZeRO-3 on four H100s, 472.3 against 471.8 ms a step "
-     "(benchmarks/RESULTS.md)")
-    fsdp_keep_last: int = 0
-    ("--zero 3: the last N blocks keep their gathered weights from forward to backward (no second all-gather); "
-     "measured no faster: 1 on llama-8B dp4 on four H100s, 469.9 against 471.8 ms; every block (= --zero 2) "
-     "444.0 against 468.6 ms for 12.5 GiB more a rank (benchmarks/RESULTS.md)")
     pp_schedule: str = field(default="1f1b", metadata={"choices": SCHEDULES})
     """pipeline schedule"""
     pp_virtual: int = 1
@@ -135,9 +122,7 @@ class ParallelConfig:
     cuda_graphs: bool = False
     ("CUDA graphs of the compiled blocks (needs --compile and GPUs): each block's kernels and collectives "
      "replayed by one launch, for steps whose small micro-batches leave the GPUs waiting on the host's "
-     "launches (pp x tp, dp x tp); FSDP's gathered weights stay in place between steps (refused with --zero 3). "
-     "Measured on four H100s, llama-1B micro-batch 4: pp2 x tp2 392 against 510-563 ms a step, dp2 x tp2 "
-     "347 against 474 (benchmarks/RESULTS.md)")
+     "launches (pp x tp, dp x tp); FSDP's gathered weights stay in place between steps (refused with --zero 3)")
     dtype: str | None = field(default=None, metadata={"choices": DTYPES})
     """compute dtype (default: bf16 on GPUs, fp32 on the CPU); master weights and the reduction stay fp32"""
     reduce_dtype: str = field(default="fp32", metadata={"choices": DTYPES})
@@ -302,15 +287,13 @@ class Config:
         for name, value in (("--steps", t.steps), ("--micro-batch", t.micro_batch), ("--seq-len", t.seq_len),
                             ("--log-interval", t.log_interval), ("--checkpoint-interval", c.checkpoint_interval),
                             ("--keep-checkpoints", c.keep_checkpoints), ("--pp-virtual", p.pp_virtual),
-                            ("--hsdp", p.hsdp), ("--fsdp-prefetch", p.fsdp_prefetch),
-                            ("--eval-interval", self.data.eval_interval), ("--eval-steps", self.data.eval_steps)):
+                            ("--hsdp", p.hsdp), ("--eval-interval", self.data.eval_interval),
+                            ("--eval-steps", self.data.eval_steps)):
             if value < 1:
                 raise ConfigError(f"{name} must be at least 1, not {value}")
         for name, value in (("--global-batch", t.global_batch), ("--microbatches", p.microbatches)):
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be at least 1, not {value}")
-        if p.fsdp_keep_last < 0:
-            raise ConfigError(f"--fsdp-keep-last must be >= 0, not {p.fsdp_keep_last}")
         if t.warmup < 0 or t.max_norm < 0 or t.lr <= 0:
             raise ConfigError(f"--warmup and --max-norm must be >= 0 and --lr > 0 (got {t.warmup}, {t.max_norm}, "
                               f"{t.lr})")
@@ -322,13 +305,6 @@ class Config:
                               "interleaved-1f1b or leave out --compile")
         if p.cuda_graphs and not p.compile:
             raise ConfigError("--cuda-graphs records the compiled blocks as CUDA graphs: it needs --compile")
-        if p.cuda_graphs and p.async_tp:
-            raise ConfigError("--cuda-graphs with --async-tp fails in the first forward on torch 2.11 (async TP's "
-                              "fused collectives inside a recorded block: benchmarks/RESULTS.md, CUDA graphs): "
-                              "use one of the two")
-        if p.async_tp and not p.sp:
-            raise ConfigError("--async-tp overlaps sequence parallelism's all-gathers and reduce-scatters with "
-                              "the matmuls: it needs --sp (and --tp > 1)")
         if p.tp_overlap and p.sp and p.cp > 1:
             raise ConfigError("--tp-overlap with --sp and --cp is not supported: context parallelism takes the "
                               "rotary positions from the attention's gathered input, which --tp-overlap gathers "
@@ -339,9 +315,6 @@ class Config:
         if p.tp_overlap_comm != "nccl" and p.cuda_graphs:
             raise ConfigError(f"--tp-overlap-comm {p.tp_overlap_comm} with --cuda-graphs is not supported: its "
                               "side stream and symmetric-memory workspace are not recorded; use one of the two")
-        if p.fp8 != "none" and p.async_tp:
-            raise ConfigError("--fp8 with --async-tp is not supported: the overlapped matmuls are bf16 ones, of "
-                              "weights the fp8 linears hold; use one or the other")
         if p.fp8 != "none" and p.dtype not in (None, "bf16"):
             raise ConfigError(f"--fp8 runs its matmuls in fp8 inside bf16 compute: leave out --dtype {p.dtype} "
                               "(or give --dtype bf16)")

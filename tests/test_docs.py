@@ -333,7 +333,6 @@ PROGRAMS = {  # how a command line names a program -> how to ask it for its help
     "benchmarks/bench_moe.py": "benchmarks/bench_moe.py",
     "benchmarks/bench_documents.py": "benchmarks/bench_documents.py",
     "benchmarks/bench_kernels.py": "benchmarks/bench_kernels.py",
-    "benchmarks/bench_async_tp.py": "benchmarks/bench_async_tp.py",
     "benchmarks/bench_fused_loss.py": "benchmarks/bench_fused_loss.py",
     "benchmarks/bench_checkpoint.py": "benchmarks/bench_checkpoint.py",
     "benchmarks/moe_balance.py": "benchmarks/moe_balance.py",
@@ -406,10 +405,14 @@ def test_command_flags_exist(page):
                 assert not missing, f"{page}:{b.line}: {program} has no {missing}"
 
 
+# options removed because they measured no faster: RESULTS.md keeps the measurements that say so
+REMOVED = {"benchmarks/RESULTS.md": {"--async-tp", "--fsdp-prefetch", "--fsdp-keep-last"}}
+
+
 @pytest.mark.parametrize("page", CHECKED)
 def test_prose_flags_exist(page):
     """A --flag named in the text is the trainer's, or one of the documented tools' (torchrun, the planner,
-    the benchmarks, the data tools)."""
-    known = set().union(*(flags_of(p) for p in PROGRAMS))
+    the benchmarks, the data tools); RESULTS.md may name the removed ones its figures judged."""
+    known = set().union(*(flags_of(p) for p in PROGRAMS), REMOVED.get(page, ()))
     missing = sorted({f for f in re.findall(r"(?<![\w-])--[a-z][\w-]*", prose(page)) if f not in known})
     assert not missing, f"{page}: no program documented here has {missing}"

@@ -75,8 +75,6 @@ CASES = {  # (world, argv, message) -- issue 11, points 4, 5, 7, 8
                                                           "graphs: it needs --compile"),
     "cuda graphs on CPUs": (2, ["--dp", "2", "--compile", "--cuda-graphs"],
                             "--cuda-graphs records CUDA graphs: it needs GPUs, and this run's devices are CPUs"),
-    "cuda graphs and async tp": (2, ["--tp", "2", "--sp", "--async-tp", "--compile", "--cuda-graphs"],
-                                 "--cuda-graphs with --async-tp fails in the first forward on torch 2.11"),
     "cuda graphs and zero 3": (2, ["--dp", "2", "--zero", "3", "--compile", "--cuda-graphs"],
                                "with --zero 3 would hold every block's gathered weights: use --zero 2"),
     "copy-engine collectives on CPUs": (2, ["--model", "llama-tiny", "--tp", "2", "--sp", "--tp-overlap",

@@ -105,15 +105,13 @@ def cast_embeddings(model: nn.Module) -> None:
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, blocks: list[nn.Module], zero_stage: int = 3, hsdp: int = 1,
                param_dtype: str = "fp32", reduce_dtype: str = "fp32", experts: list[nn.Module] = (),
-               dp_mesh: DeviceMesh | None = None, prefetch: int = 1, keep_last: int = 0) -> nn.Module:
+               dp_mesh: DeviceMesh | None = None) -> nn.Module:
     """Shard each block (the transformer layers: one FSDP unit, one all-gather,
     each), then the root (embedding, final norm, output). Expert weights (Shard(0)
     over ep) are units of their own over expert_dp (dp x cp; expert_parallel.py
     divides their gradients by the ep factor FSDP does not); where expert_dp is one
     rank, below zero 3, no unit: FSDP ignores them (fp32, cast per use). `dp_mesh`: the mesh
-    dp_mesh_for gives, when the caller has built it already (for another part).
-    `prefetch`: blocks all-gathered ahead (set_prefetch); `keep_last`: under zero 3,
-    the last blocks stay gathered from their forward to their backward."""
+    dp_mesh_for gives, when the caller has built it already (for another part)."""
     if dp_mesh is None:
         dp_mesh = dp_mesh_for(mesh, zero_stage, hsdp)
     reshard = zero_stage == 3
@@ -130,30 +128,12 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, blocks: list[nn.Module], zero
         else:
             fully_shard(e, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=policy)
     ignored = ignored or None
-    for i, block in enumerate(blocks):
-        # a block near the end is used again by the backward soon after its forward
-        keep = i >= len(blocks) - keep_last
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard and not keep, mp_policy=policy,
-                    ignored_params=ignored)
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored)
     # the root's parameters are used last in forward and first in backward:
     # resharding them after forward only to gather them again at once is waste
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy, ignored_params=ignored)
-    set_prefetch(blocks, prefetch)
     return model
-
-
-def set_prefetch(blocks: list[nn.Module], depth: int) -> None:
-    """Issue each block's all-gather `depth` blocks ahead of its use: in forward from
-    the pre-forward of the block `depth` before, in backward from the pre-backward of
-    the block `depth` after. FSDP2 by itself prefetches one block (depth 1, nothing
-    set here); more keeps more gathered weights alive at once (depth + 1 blocks)."""
-    if depth < 1:
-        raise ValueError(f"prefetch depth must be at least 1, not {depth}")
-    if depth == 1:
-        return
-    for i, block in enumerate(blocks):
-        block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + depth])
-        block.set_modules_to_backward_prefetch(blocks[max(0, i - depth):i][::-1])
 
 
 def reshard(parts: list[nn.Module]) -> None:

@@ -16,9 +16,7 @@ copies its split sizes to the host, which waits for the GPU once per layer. The
 padded one (PaddedAllToAllDispatch, --moe-dispatch padded) sends every rank a
 block of every copy this rank has, T k rows, real ones first: equal splits, no
 host sync and static shapes, for ep x the all-to-all bytes, received rows and
-expert rows (torch._grouped_mm computes only the real ones). The overlapped one
-(OverlappedAllToAllDispatch, --moe-dispatch overlap) runs the exact dispatch in two
-chunks of tokens, each chunk's all-to-alls beside the other chunk's expert GEMMs.
+expert rows (torch._grouped_mm computes only the real ones).
 
 For the dense parameters ep is one more data-parallel axis (the batch is sharded
 over dp x ep; FSDP over dp x cp x ep). Expert weights are FSDP-sharded over expert_dp (dp x cp), and since each
@@ -52,7 +50,6 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from meshtron.distributed.context_parallel import local_positions
 from meshtron.distributed.counts import counts, host_counts
-from meshtron.distributed.expert_overlap import finish, start
 from meshtron.distributed.mesh import degree, submesh
 
 
@@ -96,19 +93,15 @@ class _GradScale(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def local_experts(experts: nn.Module, x: torch.Tensor, counts: torch.Tensor | None = None, *, grad_scale: float,
-                  schedule=None) -> torch.Tensor:
+def local_experts(experts: nn.Module, x: torch.Tensor, counts: torch.Tensor | None = None, *,
+                  grad_scale: float) -> torch.Tensor:
     """The experts module's forward on this rank's shards of its weights (Shard(0)
     over ep), gradients flowing back to the DTensors scaled by `grad_scale`. It
-    replaces the module's forward, so FSDP's hooks still gather the weights first.
-    `schedule(x, experts_forward)`: a dispatch that runs the experts several times
-    (OverlappedAllToAllDispatch, once per chunk) does it inside this one call, so FSDP
-    gathers and reduces the weights once."""
+    replaces the module's forward, so FSDP's hooks still gather the weights first."""
     params = {n: _GradScale.apply(p.to_local(grad_placements=p.placements), grad_scale) if isinstance(p, DTensor)
               else p for n, p in experts.named_parameters(recurse=False)}
     with _reparametrize_module(experts, params):
-        forward = functools.partial(type(experts).forward, experts)
-        return forward(x, counts) if schedule is None else schedule(x, forward)
+        return type(experts).forward(experts, x, counts)
 
 
 def by_expert(experts_forward, rows: torch.Tensor, got: torch.Tensor, n_rows: int) -> torch.Tensor:
@@ -187,75 +180,13 @@ class PaddedAllToAllDispatch(AllToAllDispatch):
         return out.to(x.dtype)
 
 
-class OverlappedAllToAllDispatch(nn.Module):
-    """AllToAllDispatch's copies, experts and sums over two chunks of this rank's
-    tokens, A and B, one all-to-all of the counts and one host sync for both. Each
-    token all-to-all is started and waited for only where its result is first needed
-    (expert_overlap.py), so NCCL runs beside the other chunk's matmuls:
-
-        forward    start dispatch A, wait; start dispatch B
-                   experts A                      (beside dispatch B)
-                   start combine A; wait dispatch B
-                   experts B                      (beside combine A)
-                   wait combine A; start combine B, wait
-        backward   the mirror: combine B's gradient exposed, combine A's beside
-                   experts B's backward, dispatch B's beside experts A's, dispatch A's exposed
-
-    About half the all-to-all time can hide, none of it where a chunk's GEMMs are
-    shorter than the other chunk's transfer. It runs eagerly inside a compiled block
-    (torch._dynamo.disable): the exact dispatch breaks the graph at its host sync there
-    anyway. Tokens are chunked whole (all k copies of a token in one chunk): each
-    token's copies are summed in the exact dispatch's order, so the output equals it up
-    to the GEMMs' rounding."""
-
-    def __init__(self, ep_mesh: DeviceMesh):
-        super().__init__()
-        self.group, self.ep = ep_mesh.get_group(), ep_mesh.size()
-
-    @torch._dynamo.disable
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, mlp: nn.Module) -> torch.Tensor:
-        # both chunks inside one call of the experts module: FSDP gathers (and reduces) its weights once
-        n_experts = mlp.w1.shape[0]                  # the global count (a DTensor's shape)
-        return mlp(x, schedule=functools.partial(self.chunks, weights, experts, n_experts))
-
-    def chunks(self, weights: torch.Tensor, experts: torch.Tensor, n_experts: int, x: torch.Tensor,
-               experts_forward) -> torch.Tensor:
-        k, ep = experts.shape[1], self.ep
-        local_e = n_experts // ep
-        half = (x.shape[0] + 1) // 2
-        flats = experts[:half].flatten(), experts[half:].flatten()
-        orders = [f.argsort(stable=True) for f in flats]   # each chunk's copies grouped by expert
-        sent = torch.stack([counts(f, n_experts) for f in flats]).view(2, ep, local_e)
-        # one exchange for both chunks: rank d gets [chunk, my expert] blocks of its experts
-        got = all_to_all_single(sent.transpose(0, 1).flatten(), None, None, self.group)
-        got = got.view(ep, 2, local_e).transpose(0, 1)   # [chunk, source rank, my expert]
-        splits = host_counts(torch.cat([sent.sum(2).flatten(), got.sum(2).flatten()]), 2 * experts.numel())
-        send = [splits[c * ep:(c + 1) * ep] for c in (0, 1)]          # one sync for both chunks
-        recv = [splits[(2 + c) * ep:(3 + c) * ep] for c in (0, 1)]
-        tokens = [orders[0] // k, orders[1] // k + half]
-
-        def run_experts(c, rows):
-            return by_expert(experts_forward, rows, got[c], sum(recv[c]))
-
-        rows_a = finish(*start(x[tokens[0]], recv[0], send[0], self.group))
-        rows_b, dispatch_b = start(x[tokens[1]], recv[1], send[1], self.group)
-        back_a, combine_a = start(run_experts(0, rows_a), send[0], recv[0], self.group)
-        y_b = run_experts(1, finish(rows_b, dispatch_b))
-        back = [finish(back_a, combine_a), finish(*start(y_b, send[1], recv[1], self.group))]
-        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        for c, (w, order) in enumerate(zip((weights[:half], weights[half:]), orders)):
-            out.index_add_(0, tokens[c], back[c].float() * w.flatten()[order, None])
-        return out.to(x.dtype)
-
-
-DISPATCHES = {"exact": AllToAllDispatch, "padded": PaddedAllToAllDispatch, "overlap": OverlappedAllToAllDispatch}
+DISPATCHES = {"exact": AllToAllDispatch, "padded": PaddedAllToAllDispatch}
 
 
 def dispatch_of(name: str, ep: int) -> str:
     """The dispatch `name` (--moe-dispatch) runs at expert-parallel degree ep: auto is
     padded at ep 2, where its twice the exact bytes cost less than a host sync per
-    layer (benchmarks/RESULTS.md, Mixture of experts), and exact above, where the
-    padding grows with ep."""
+    layer (docs/parallelism.md, Mixture of experts), and exact above, where the padding grows with ep."""
     return ("padded" if ep == 2 else "exact") if name == "auto" else name
 
 

@@ -18,11 +18,11 @@ its output are one autograd function (`GatherLinears`) whose backward is Megatro
 the input's gradient first, its reduce-scatter (all-reduce without SP) started, the
 weights' gradients computed while it runs, the wait last. Otherwise autograd sums the
 input's gradient only after every one of those linears' whole backward, and the
-collective runs with nothing beside it. Off by default: it measured no faster, the
-matmuls beside the collective slowing by what it hid (benchmarks/RESULTS.md).
-With `comm="copy-engine"` (--tp-overlap-comm copy-engine, CUDA only) that reduce-scatter
-moves its bytes with the GPUs' copy engines over symmetric memory (`ce_reduce_scatter`)
-instead of NCCL's kernels, which take SMs from the matmuls beside them.
+collective runs with nothing beside it. NCCL's kernels take SMs from the matmuls beside
+them, which then slow by about what is hidden; with `comm="copy-engine"`
+(--tp-overlap-comm copy-engine, CUDA only) that reduce-scatter moves its bytes with the
+GPUs' copy engines over symmetric memory (`ce_reduce_scatter`), the matmuls keep their
+SMs, and the hidden time is gained (docs/performance.md).
 
 Under SP a norm's weight gradient is a partial sum (each rank saw 1/tp of the
 tokens) and is reduced once per step, as under the DTensor styles. Same
@@ -31,8 +31,8 @@ collectives, same bytes (the dry run and a test count them).
 Why: every DTensor op costs tens of microseconds of host Python; a Llama block
 under the DTensor styles issues over a hundred of them per micro-batch, forward
 and backward. At the small micro-batches that pipelines cut a batch into, that
-host time exceeds the block's GPU time (benchmarks/RESULTS.md, "TP on the
-host"). Here a block costs a few dozen plain calls.
+host time exceeds the block's GPU time (docs/parallelism.md). Here a block costs
+a few dozen plain calls.
 
 A module takes these styles only where its forward is known: nn.Linear, and a
 norm exposing `norm(x, weight)` (the Llama's RMSNorm).

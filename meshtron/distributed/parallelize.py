@@ -33,7 +33,7 @@ from typing import Protocol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshtron.distributed import async_tp, cuda_graphs, float8
+from meshtron.distributed import cuda_graphs, float8
 from meshtron.distributed.choices import default_dtype
 from meshtron.distributed.data_parallel import apply_fsdp, autocast_dtype, cast_embeddings, dp_mesh_for
 from meshtron.distributed.mesh import degree
@@ -54,10 +54,7 @@ class LayoutOptions(Protocol):
     recompute: str          # "none", "selective", "full"
     compile: bool           # torch.compile each block
     fp8: str                # "none", "tensorwise", "rowwise"
-    async_tp: bool          # async TP's compile pass
     mixed_precision: str    # one process's bf16: "autocast" or "fsdp"
-    fsdp_prefetch: int      # blocks all-gathered ahead (1: FSDP2's own)
-    fsdp_keep_last: int     # zero 3: last blocks kept gathered from forward to backward
     cuda_graphs: bool       # CUDA graphs of the compiled blocks, FSDP's gathered weights kept in place
 
 
@@ -87,10 +84,8 @@ def fp8_tp_plan(plan: dict, model: nn.Module, mesh: DeviceMesh, config: LayoutOp
 
 
 def compile_options(config: LayoutOptions) -> dict | None:
-    """Each block's inductor options: async TP's pass, or FP8 rowwise's cast rounding
-    (the two are never on together: Config.validate), and CUDA graphs (--cuda-graphs)."""
-    return cuda_graphs.compile_options(async_tp.compile_options(config) or float8.compile_options(config),
-                                       config.cuda_graphs)
+    """Each block's inductor options: FP8 rowwise's cast rounding, and CUDA graphs (--cuda-graphs)."""
+    return cuda_graphs.compile_options(float8.compile_options(config), config.cuda_graphs)
 
 
 def _zero(mesh: DeviceMesh, config: LayoutOptions) -> int | None:
@@ -123,8 +118,7 @@ def apply_dp(model: nn.Module, mesh: DeviceMesh, config: LayoutOptions, blocks: 
     zero = _zero(mesh, config)
     if zero is not None:
         dtype = config.dtype or default_dtype(mesh.device_type, config.fp8)
-        apply_fsdp(model, mesh, blocks, zero, config.hsdp, dtype, config.reduce_dtype, experts, dp_mesh,
-                   prefetch=config.fsdp_prefetch, keep_last=config.fsdp_keep_last)
+        apply_fsdp(model, mesh, blocks, zero, config.hsdp, dtype, config.reduce_dtype, experts, dp_mesh)
         if config.cuda_graphs:   # the graphs read the gathered weights where they recorded them
             cuda_graphs.keep_gathered(model)
 
@@ -167,6 +161,6 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, config: LayoutOptions, *, pl
         parallelize_module(model, mesh, fp8_tp_plan(styles, model, mesh, config))
     apply_recompute(blocks, config.recompute)
     if config.compile:
-        apply_compile(blocks, cuda_graphs.compile_options(float8.compile_options(config), config.cuda_graphs))
+        apply_compile(blocks, compile_options(config))
     apply_dp(model, mesh, config, blocks, dp_mesh=dp_mesh)
     return model

@@ -34,8 +34,8 @@ exposed; FSDP hidden but for one unit's, what the compute cannot cover and a sha
 beside it); the host's time per micro-batch and per collective call (a small micro-batch waits for it: ranks
 out of step wait inside collectives); the pipeline's bubble, scaled to the measured; FP8's faster GEMMs, its
 casts and its fp8 all-gathers. Not included: MoE routing, permutations and grouped GEMMs (MoE steps measured
-1.4-1.7x the prediction); async TP's overlap; the interleaved and zero-bubble schedules' measured stalls at
-pp4; --fsdp-prefetch and --fsdp-keep-last (planned as FSDP2's defaults); the inter-node link (nominal).
+1.4-1.7x the prediction); the interleaved and zero-bubble schedules' measured stalls at pp4; the inter-node
+link (nominal).
 Error on the measured H100 layouts: docs/planner.md."""
 
 

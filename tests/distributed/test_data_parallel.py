@@ -262,9 +262,6 @@ COMM_CASES = {  # 4 micro-batches at dp=4: per kind, (count in each micro-batch,
     "zero3": {"all_reduce": ([0] * 4, None), "reduce_scatter": ([G] * 4, 4), "all_gather": ([2 * G - 1] * 4, 4)},
     # HSDP 2 replicas x 2 shards: reduce-scatter inside a replica as the stage says,
     # all-reduce across replicas once per step
-    # --fsdp-keep-last 1: the last block stays gathered from its forward to its backward
-    "zero3-keep1": {"all_reduce": ([0] * 4, None), "reduce_scatter": ([G] * 4, 4),
-                    "all_gather": ([2 * G - 2] * 4, 4)},
     "hsdp2-zero1": {"all_reduce": ([0, 0, 0, G], 2), "reduce_scatter": ([0, 0, 0, G], 2),
                     "all_gather": ([G, 0, 0, 0], 2)},
     "hsdp2-zero2": {"all_reduce": ([0, 0, 0, G], 2), "reduce_scatter": ([G] * 4, 2),
@@ -277,40 +274,12 @@ COMM_CASES = {  # 4 micro-batches at dp=4: per kind, (count in each micro-batch,
 @pytest.mark.parametrize("case", COMM_CASES)
 def test_collectives_per_micro_batch(pools, case):
     hsdp = 2 if case.startswith("hsdp") else 1
-    keep = int(case.endswith("keep1"))
-    pcfg = ParallelConfig(zero=int(case.removesuffix("-keep1")[-1]), hsdp=hsdp, fsdp_keep_last=keep)
+    pcfg = ParallelConfig(zero=int(case[-1]), hsdp=hsdp)
     for r in pools.run(4, _one_step_observed, pcfg):
         for kind, (counts, group_size) in COMM_CASES[case].items():
             assert per_micro_batch(r["log"], kind) == counts, (case, kind, r["log"])
             assert {e[1] for e in r["log"] if e[0] == kind} <= {group_size}, (case, kind, r["log"])
         assert {e[2] for e in r["log"] if e[0] != "mb"} == {torch.float32}
-
-
-def _gathers_before_first_block(rank, world, prefetch):
-    """All-gathers issued by the time the first block's forward runs (after FSDP's own
-    pre-forward), in a 3-block GPT under zero 3; and the losses of two steps."""
-    cfg = gpt_config("tiny", n_layers=3)
-    me = mesh(dp=world)
-    model = parallelize(GPT(cfg, seed=0), me, ParallelConfig(zero=3, fsdp_prefetch=prefetch))
-    log = []
-    model.layers["0"].register_forward_pre_hook(lambda mod, args: log.append(("block 0",)))
-    (x, y), = tiny_batches(cfg.vocab_size, steps=1, batch=2 * world, seq=16)
-    xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
-    with record_collectives(log):
-        loss = forward_backward([model], xs, ys, None)
-    return [e[0] for e in log[:log.index(("block 0",))]].count("all_gather"), float(loss)
-
-
-def test_prefetch_issues_all_gathers_ahead(pools):
-    # the root's and block 0's all-gathers, then --fsdp-prefetch 2's of blocks 1 and 2
-    default, ahead = pools.run(2, _gathers_before_first_block, 1), pools.run(2, _gathers_before_first_block, 2)
-    assert [r[0] for r in default] == [2, 2] and [r[0] for r in ahead] == [4, 4], (default, ahead)
-    assert [r[1] for r in ahead] == [r[1] for r in default]
-
-
-def test_prefetch_matches_one_process(pools):
-    _report("zero 3 dp=2, prefetch 2", assert_parity(
-        pools.run(2, _parity, ParallelConfig(zero=3, fsdp_prefetch=2)), FP32_TOL))
 
 
 # ---- mixed precision ---------------------------------------------------------------

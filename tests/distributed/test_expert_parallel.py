@@ -70,11 +70,7 @@ LAYOUTS = {"ep2": (2, dict(dp=1, ep=2), None),
            # the default (auto) dispatch is the padded one at ep2, the exact one at ep4: the exact
            # one at ep2 too (one block of each equals the other's bit for bit at ep2 and ep4:
            # test_the_padded_dispatch_equals_the_exact_one)
-           "ep2 exact": (2, dict(dp=1, ep=2), dict(moe_dispatch="exact")),
-           # the overlapped dispatch (two chunks, each one's all-to-alls beside the other's experts);
-           # under ZeRO-3 the experts' FSDP unit runs twice a forward (once per chunk)
-           "ep2 overlap": (2, dict(dp=1, ep=2), dict(moe_dispatch="overlap")),
-           "dp2 x ep2 overlap": (4, dict(dp=2, ep=2), dict(zero=3, moe_dispatch="overlap"))}
+           "ep2 exact": (2, dict(dp=1, ep=2), dict(moe_dispatch="exact"))}
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -220,7 +216,7 @@ def test_the_default_dispatch_is_padded_at_ep2_and_exact_above():
     from meshtron.planner.plan import _routed_blocks
     assert ParallelConfig().moe_dispatch == "auto"
     assert [dispatch_of("auto", ep) for ep in (2, 4, 8)] == ["padded", "exact", "exact"]
-    assert [dispatch_of(d, 2) for d in ("exact", "padded", "overlap")] == ["exact", "padded", "overlap"]
+    assert [dispatch_of(d, 2) for d in ("exact", "padded")] == ["exact", "padded"]
     # the planner counts what runs: ep blocks of rows per copy under the padded dispatch
     assert [_routed_blocks(ParallelConfig(ep=ep)) for ep in (2, 4)] == [2, 1]
 
@@ -266,58 +262,6 @@ def _comm_counts(rank, world, degrees):
 def a2a(counts: dict) -> int:
     return sum(n for op, n in counts.items() if "all_to_all" in op)
 
-
-
-@pytest.mark.parametrize("model", MODELS)
-def test_the_overlapped_dispatch_equals_the_exact_one(pools, model):
-    # one MoE block at ep=2 and ep=4 (rank 3 receives no tokens): the same output and
-    # gradients as the exact dispatch's, to fp32 rounding (each chunk's grouped GEMM has
-    # other row counts)
-    for world, banned in ((2, ()), (4, (6, 7))):
-        exact, overlap = (pools.run(world, _one_layer, model, d, banned, False) for d in ("exact", "overlap"))
-        for rank in range(world):
-            assert all(a.shape == b.shape and (a - b).norm() <= TOL * b.norm()
-                       for a, b in zip(overlap[rank], exact[rank])), (world, rank)
-
-
-def _schedule(rank, world):
-    """The order of one overlapped dispatch's token all-to-alls ("a2a") and expert GEMMs
-    ("gemm", a run of matmuls), forward and backward."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from meshtron.distributed.expert_parallel import apply_moe
-
-    class Order(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = {"c10d.alltoall_base_.default": "a2a", "aten.mm.default": "gemm"}.get(str(func))
-            if name and (name == "a2a" or self.seen[-1:] != ["gemm"]):
-                self.seen.append(name)
-            return func(*args, **(kwargs or {}))
-
-    torch.manual_seed(0)
-    block = MoE(64, MoEConfig(**{**GPT_MOE.__dict__, "batch_balance": 0}))
-    apply_moe([block], mesh(dp=1, ep=world), "overlap")
-    x = torch.randn(2 * SEQ, 64, generator=torch.Generator().manual_seed(rank)).requires_grad_()
-    with torch.no_grad():   # the router's matmuls out of the backward's record
-        weights, experts, *_ = block.router(x)
-    with Order() as fwd:
-        y = block.dispatch(x, weights, experts, block.experts)
-    with Order() as bwd:
-        y.sum().backward()
-    return fwd.seen, bwd.seen
-
-
-def test_overlapped_dispatch_starts_each_all_to_all_before_the_other_chunks_gemms(pools):
-    # forward: dispatch A, dispatch B, experts A (beside B's), combine A, experts B (beside A's),
-    # combine B; backward (autograd's order): combine B's and A's gradients, experts B (beside
-    # A's), dispatch B's, experts A (beside B's), dispatch A's
-    fwd, bwd = pools.run(2, _schedule)[0]
-    assert fwd == ["a2a", "a2a", "gemm", "a2a", "gemm", "a2a"], fwd
-    assert bwd == ["a2a", "a2a", "gemm", "a2a", "gemm", "a2a"], bwd
 
 def test_one_moe_layer_communicates_one_count_exchange_and_two_all_to_alls(pools):
     # (world, degrees, FSDP all-gathers of one forward: the root and the block over

@@ -173,8 +173,8 @@ def test_refused_combinations_fail_before_anything_runs():
     from meshtron.command_line import parser
     from meshtron.config import SECTIONS, ConfigError
     assert "the output head, MoE routers and experts" in " ".join(parser(SECTIONS).format_help().split())
-    with pytest.raises(ConfigError, match="--async-tp"):
-        Config.from_args(["--tp", "2", "--sp", "--async-tp", "--fp8", "tensorwise"]).validate(2)
+    with pytest.raises(ConfigError, match="leave out --dtype fp32"):
+        Config.from_args(["--tp", "2", "--fp8", "tensorwise", "--dtype", "fp32"]).validate(2)
 
 
 def _user_model(rank, world):

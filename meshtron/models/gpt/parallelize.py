@@ -8,7 +8,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 from meshtron.config import ParallelConfig
-from meshtron.distributed import async_tp, expert_parallel
+from meshtron.distributed import expert_parallel
 from meshtron.distributed.context_parallel import apply_cp
 from meshtron.distributed.mesh import degree
 from meshtron.distributed.parallelize import apply_compile, apply_dp, apply_fp8, compile_options, fp8_tp_plan
@@ -64,7 +64,7 @@ def tp_plan(model: nn.Module, sp: bool, loss_parallel: bool, moe: bool = False) 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig, moe: list[nn.Module] = ()) -> None:
     tp_mesh, sp = tp_mesh_of(mesh), parallel.sp
     plan = fp8_tp_plan(tp_plan(model, sp, parallel.loss_parallel, bool(moe)), model, mesh, parallel)
-    parallelize_module(model, tp_mesh, async_tp.apply(plan, tp_mesh, parallel), leave=moe)
+    parallelize_module(model, tp_mesh, plan, leave=moe)
     norms = [m for n, m in model.named_modules() if n == "norm" or n.endswith(("attn_norm", "mlp_norm"))]
     if sp:
         cast_output_to_autocast_dtype(norms)

@@ -9,7 +9,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 from meshtron.config import ParallelConfig
-from meshtron.distributed import async_tp, expert_parallel
+from meshtron.distributed import expert_parallel
 from meshtron.distributed.context_parallel import apply_cp
 from meshtron.distributed.local_tensor_parallel import (
     GatherInput,
@@ -92,12 +92,12 @@ def tp_plan(model: nn.Module, sp: bool, loss_parallel: bool, moe: bool = False, 
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig, moe: list[nn.Module] = ()) -> None:
     tp_mesh, sp = tp_mesh_of(mesh), parallel.sp
-    # FP8's and async TP's styles, and the MoE blocks' routing, work on DTensors: those keep DTensor blocks
-    local = parallel.fp8 == "none" and not parallel.async_tp and not moe
+    # FP8's styles and the MoE blocks' routing work on DTensors: those keep DTensor blocks
+    local = parallel.fp8 == "none" and not moe
     plan = fp8_tp_plan(tp_plan(model, sp, parallel.loss_parallel, bool(moe), local, parallel.tp_overlap,
                                parallel.tp_overlap_comm),
                        model, mesh, parallel)
-    parallelize_module(model, tp_mesh, async_tp.apply(plan, tp_mesh, parallel), leave=moe)
+    parallelize_module(model, tp_mesh, plan, leave=moe)
     if sp:
         cast_output_to_autocast_dtype([m for n, m in model.named_modules()
                                        if n == "norm" or n.endswith(("attention_norm", "ffn_norm"))])
