@@ -3,6 +3,7 @@ imports in a cycle, model files import no torch.distributed, and the code
 passes the project's ruff configuration."""
 import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -54,6 +55,14 @@ def test_distributed_imports_only_distributed():
     for name, deps in found.items():
         bad = {d for d in deps if not d.startswith("meshtron.distributed.") and d != "meshtron.distributed"}
         assert not bad, f"{name} imports {sorted(bad)}"
+
+
+def test_the_code_names_no_dates_and_no_results_file():
+    # the code says why; what was measured when is benchmarks/RESULTS.md's (docs/design.md),
+    # so a comment or a --help never goes stale with a figure (the calibration data may cite its rows)
+    found = [f"{os.path.relpath(path, ROOT)}:{i}: {line.strip()}" for path in modules().values()
+             for i, line in enumerate(open(path), 1) if re.search(r"20\d\d-\d\d-\d\d|RESULTS|HISTORY", line)]
+    assert not found, "\n".join(found)
 
 
 def test_no_import_cycles():

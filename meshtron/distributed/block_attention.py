@@ -25,7 +25,7 @@ aten = torch.ops.aten
 
 def _kernel(q: torch.Tensor, k: torch.Tensor, causal: bool) -> str | None:
     """The fused kernel of a block: cuDNN's where SDPA would take it (the faster on
-    Hopper: benchmarks/HISTORY.md, tenth session), flash's otherwise; both take grouped-query K/V
+    Hopper), flash's otherwise; both take grouped-query K/V
     as they are. None (the math path) off the GPU, in fp32/fp64, and for shapes
     neither kernel takes."""
     if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):

@@ -12,7 +12,7 @@ outputs the previous step no longer reads.
 A graph reads its inputs, the gathered weights among them, at the addresses it
 recorded: FSDP frees the gathered weights after each step's backward and allocates
 them again where the allocator has room, so without `keep_gathered` every graph is
-recorded again each step (benchmarks/RESULTS.md, "CUDA graphs"). Kept, they cost no
+recorded again each step, which costs more host time than the replays save. Kept, they cost no
 memory under ZeRO 0-2, which hold them through the step anyway, but under ZeRO-3
 they would hold every block's (the trainer refuses --zero 3 with --cuda-graphs).
 """

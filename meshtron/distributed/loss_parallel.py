@@ -14,7 +14,7 @@ by their caller anyway) and three (N,) vectors are saved. On a GPU the fp32 work
 is one compiled pass over the logits each way (the sum of exponentials forward;
 softmax - onehot, scaled and rounded to the logits' dtype, backward), so no fp32
 copy of them is ever written: eager, the same arithmetic costs several fp32 passes
-over (N, V/t) (benchmarks/RESULTS.md, "tensor parallelism on two GPUs"). Eager (the
+over (N, V/t). Eager (the
 CPU) it runs over row chunks of at most CHUNK elements.
 """
 from __future__ import annotations

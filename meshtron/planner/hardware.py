@@ -1,7 +1,7 @@
 """The GPUs the planner knows: what its step-time model needs of a device and its
 links, read from calibration files that `python -m meshtron.plan calibrate`
 (meshtron.planner.calibrate) writes. The shipped ones were measured on one GPU of each
-kind (benchmarks/RESULTS.md, "Planner accuracy"); their "measured" key lists what was, the rest
+kind (docs/planner.md); their "measured" key lists what was, the rest
 (links, for now) are nominal NVLink / InfiniBand figures. The H100's multi-GPU terms were
 fitted to measured steps (`calibrate --fit`: its "fit_source"); the H200's are not yet."""
 from __future__ import annotations

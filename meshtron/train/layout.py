@@ -45,7 +45,7 @@ def resolve_layout(c: Config, world: int):
     degrees = c.validate(world)
     par, tr = c.parallel, c.training
     # compiled blocks take plain norms and activations: inductor fuses them itself, and
-    # the Triton custom ops are opaque to it and slower there (benchmarks/HISTORY.md, first session)
+    # the Triton custom ops, opaque to it, would split its fusions and run slower
     fused = c.model.fused_kernels and not par.compile
     if c.checkpoint.init_from_hf:
         spec, mc = models.from_hf(c.checkpoint.init_from_hf)

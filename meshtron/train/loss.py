@@ -69,7 +69,7 @@ def output_head(parts: list[nn.Module]) -> nn.Linear | None:
 def loss_function(device: torch.device, vocab_sharded: bool, head: nn.Linear | None = None):
     """cross_entropy_sum, compiled on a GPU: inductor fuses the fp32 upcast, the
     log-softmax and its backward over the (tokens x vocabulary) logits into a few
-    passes (benchmarks/HISTORY.md, second session). Eager on vocab-sharded DTensor logits (loss
+    passes. Eager on vocab-sharded DTensor logits (loss
     parallel: meshtron.distributed.loss_parallel keeps no fp32 copy of them) and on
     the CPU, where compiling costs more than it saves. Given the output `head`, the
     fused loss (FusedLoss) instead, compiled on a GPU likewise."""

@@ -19,9 +19,8 @@ class AdamW(torch.optim.AdamW):
     Every tensor of the update is elementwise and every parameter, gradient and
     state tensor shares its placements, so the update of the local shards is the
     update of the whole. Stepping on DTensors instead costs a DTensor dispatch
-    per tensor per op (the fused step alone took 41 ms of host time a step for a
-    1.3B GPT at tp=2; benchmarks/HISTORY.md, first session). Gradients left Partial are reduced
-    first (`reduce_partial_grads`)."""
+    per tensor per op, host time the GPU waits for under tp. Gradients left
+    Partial are reduced first (`reduce_partial_grads`)."""
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -71,8 +71,8 @@ def dense_mask(q_docs: torch.Tensor, k_docs: torch.Tensor, q_pos: torch.Tensor |
 
 # FlexAttention's tiles where torch's defaults are slow, by (compute capability, dtype, head dim):
 # max-autotune's picks (forward 128 x 64, backward 64 x 64, 4 warps, 3 stages) without its
-# compile time. On an H100 at llama-1B's heads the default forward tile (128 x 128) timed 1.58x
-# the 128 x 64 one in autotuning (benchmarks/RESULTS.md, packed documents).
+# compile time. On an H100 at llama-1B's heads the default forward tile (128 x 128) is the slower
+# one in autotuning.
 TILES = {(9, 0, torch.bfloat16, 64): dict(BLOCK_M=128, BLOCK_N=64, BLOCK_M1=64, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=64,
                                           num_warps=4, num_stages=3)}
 _capability: dict = {}   # CUDA device index -> (major, minor): read where masks are built, outside compiled blocks

@@ -78,7 +78,7 @@ def batch_bias(select: torch.Tensor, k: int, rounds: int) -> torch.Tensor:
     expert's logit, or the k-th one's). Experts move at once, and tokens rank
     them much alike, so after the first round (from a collapsed router a long way,
     taken whole) full moves overshoot and oscillate; 70% of one settles
-    (benchmarks/RESULTS.md has the rounds measured). Every step is a continuous
+    within the rounds the presets take. Every step is a continuous
     function of select (order statistics, and margins that meet at 0 where a token's
     choice changes), so the bias is too."""
     n, n_experts = select.shape[-2:]

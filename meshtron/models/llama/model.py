@@ -204,8 +204,7 @@ class Llama(nn.Module):
         N(0, 0.02 / sqrt(2 (layer + 1))); norms 1. Each drawn by parameter name; the
         rotary frequencies recomputed (a buffer, left empty by building on meta). The
         earlier 0.02 embeddings and one depth scale for every layer trained llama-1B
-        markedly slower than torchtitan on the same tokens (benchmarks/RESULTS.md,
-        convergence)."""
+        markedly slower than torchtitan on the same tokens."""
         std = 0.02
         out_std = std / math.sqrt(2 * self.config.n_layers)
         moe = {f"{n}.": m for n, m in self.named_modules() if isinstance(m, MoE)}
