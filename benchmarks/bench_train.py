@@ -56,8 +56,6 @@ LAYOUTS = {  # name: (GPUs, recipe flags); bf16 compute, fp32 master weights and
     "1gpu_fsdp": (1, ["--mixed-precision", "fsdp"]),   # bf16 through FSDP2 on a one-rank mesh (before)
     "fsdp4": (4, ["--dp", "4", "--zero", "1"]),
     "fsdp4_zero3": (4, ["--dp", "4", "--zero", "3"]),
-    "fsdp4_zero3_pf2": (4, ["--dp", "4", "--zero", "3", "--fsdp-prefetch", "2"]),   # all-gathers 2 blocks ahead
-    "fsdp4_zero3_keep1": (4, ["--dp", "4", "--zero", "3", "--fsdp-keep-last", "1"]),   # last block not resharded
     "fsdp4_zero3_fp8": (4, ["--dp", "4", "--zero", "3", "--fp8", "tensorwise"]),   # fp8 all-gather (tensorwise)
     "fsdp4_zero3_bf16rs": (4, ["--dp", "4", "--zero", "3", "--reduce-dtype", "bf16"]),   # not the default: fp32
     "fsdp4_zero3_fused": (4, ["--dp", "4", "--zero", "3", "--fused-loss"]),
@@ -68,12 +66,8 @@ LAYOUTS = {  # name: (GPUs, recipe flags); bf16 compute, fp32 master weights and
     "tp4": (4, ["--tp", "4", "--sp"]),
     "fsdp2": (2, ["--dp", "2", "--zero", "1"]),
     "tp2": (2, ["--tp", "2", "--sp"]),
-    "tp2_async": (2, ["--tp", "2", "--sp", "--async-tp"]),
     "tp2_overlap": (2, ["--tp", "2", "--sp", "--tp-overlap"]),   # Megatron's backward reduce-scatter overlap
     "tp2_overlap_ce": (2, ["--tp", "2", "--sp", "--tp-overlap", "--tp-overlap-comm", "copy-engine"]),
-    "tp4_async": (4, ["--tp", "4", "--sp", "--async-tp"]),
-    "tp2dp2_async": (4, ["--dp", "2", "--tp", "2", "--sp", "--async-tp", "--zero", "1"]),
-    "pp2tp2_async": (4, ["--pp", "2", "--tp", "2", "--sp", "--async-tp", "--microbatches", "8"]),
     "pp2": (2, ["--pp", "2", "--microbatches", "8"]),
     "pp2_interleaved": (2, ["--pp", "2", "--microbatches", "8", "--pp-schedule", "interleaved-1f1b",
                             "--pp-virtual", "2"]),
@@ -102,132 +96,22 @@ LAYOUTS = {  # name: (GPUs, recipe flags); bf16 compute, fp32 master weights and
     "ep2_zero2_padded": (2, ["--ep", "2", "--zero", "2", "--moe-dispatch", "padded"]),   # no host sync
     "ep2_padded": (2, ["--ep", "2", "--zero", "1", "--moe-dispatch", "padded"]),
     "ep2_exact": (2, ["--ep", "2", "--zero", "1", "--moe-dispatch", "exact"]),   # the default (auto) at ep2 is padded
-    "ep2_zero2_overlap": (2, ["--ep", "2", "--zero", "2", "--moe-dispatch", "overlap"]),   # a2a beside the GEMMs
-    "ep2_zero2_pf2": (2, ["--ep", "2", "--zero", "2", "--fsdp-prefetch", "2"]),   # all-gathers 2 blocks ahead
-    "ep2_zero2_overlap_pf2": (2, ["--ep", "2", "--zero", "2", "--moe-dispatch", "overlap", "--fsdp-prefetch", "2"]),
     "ep4": (4, ["--ep", "4", "--zero", "1"]),
 }
 
 
-def _rope_fp32(x, cos, sin):
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
-
-
-def _repeat_kv(self, q, k, v):
-    g = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
-def _sac_save_sdpa():
-    from meshtron.distributed import recompute
-    aten = torch.ops.aten
-    recompute._SAVE |= {aten._scaled_dot_product_flash_attention.default,
-                        aten._scaled_dot_product_efficient_attention.default,
-                        aten._scaled_dot_product_cudnn_attention.default}
-
-
-def _split_even():
-    """The pipeline split before it weighed the head by its matmul work (embedding and head one layer each)."""
-    from meshtron.distributed import pipeline_parallel
-    from meshtron.models.gpt import parallelize as gpt
-    from meshtron.models.llama import parallelize as llama
-    for module in (gpt, llama):
-        module.split_layers = lambda n, stages, **_: pipeline_parallel.split_layers(n, stages)
-
-
-def _fp8_fp8_gather():
-    """FP8 tensorwise with FSDP gathering fp8 weights on one dp rank too (shipped: from dp 2)."""
-    from meshtron.distributed import float8
-    convert = float8.convert
-    float8.convert = lambda *a, **k: convert(*a, **{**k, "fsdp_all_gather": True})
-
-
-def _forward_prefetch_1():
-    """FSDP's explicit forward prefetch one block ahead (--fsdp-prefetch 1 leaves FSDP2's own:
-    a block's all-gather issued at its own pre-forward)."""
-    from meshtron.distributed import data_parallel
-    set_prefetch = data_parallel.set_prefetch
-
-    def explicit(blocks, depth):
-        set_prefetch(blocks, depth)
-        if depth == 1:
-            for i, block in enumerate(blocks[:-1]):
-                block.set_modules_to_forward_prefetch([blocks[i + 1]])
-    data_parallel.set_prefetch = explicit
-
-
-def _experts_fsdp():
-    """Every experts module an FSDP unit of its own, also over a one-rank expert_dp (before 7e03ec0)."""
-    from torch.distributed.fsdp import fully_shard
-
-    from meshtron.distributed import data_parallel, parallelize
-    from meshtron.distributed.mesh import submesh
-    apply_fsdp = parallelize.apply_fsdp
-
-    def units(model, mesh, blocks, zero_stage=3, hsdp=1, param_dtype="fp32", reduce_dtype="fp32", experts=(),
-              *args, **kwargs):
-        for e in experts:
-            fully_shard(e, mesh=submesh(mesh, "expert_dp"), reshard_after_forward=zero_stage == 3,
-                        mp_policy=data_parallel.mp_policy(param_dtype, reduce_dtype))
-        return apply_fsdp(model, mesh, blocks, zero_stage, hsdp, param_dtype, reduce_dtype, (), *args, **kwargs)
-    parallelize.apply_fsdp = units
-
-
-EXPERIMENTS = {  # code paths other than the shipped ones (replaced or proposed), measured against them in one run
-    "fsdp-forward-prefetch-1": _forward_prefetch_1,
-    "experts-fsdp": _experts_fsdp,
-    "fp8-fp8-gather": _fp8_fp8_gather,
-    "split-even": _split_even,
-    "sac-save-sdpa": _sac_save_sdpa,
-    "rope-fp32": lambda: setattr(__import__("meshtron.models.llama.model", fromlist=["x"]), "apply_rope", _rope_fp32),
-    "repeat-kv": lambda: setattr(__import__("meshtron.models.llama.model", fromlist=["x"]).CoreAttention,
-                                 "forward", _repeat_kv),
-}
-
-
-def _compile_whole():
-    """torch.compile the whole Llama (embedding, blocks, norm, head) instead of each block."""
-    from meshtron.models.llama import parallelize as llama
-    apply_dp = llama.apply_dp
-
-    def whole(model, mesh, par, blocks, experts=()):
-        apply_dp(model, mesh, par, blocks, experts=experts)
-        model.compile()
-    return [(llama, "apply_compile", lambda blocks, options=None: None), (llama, "apply_dp", whole)]
+def _compile_whole(trainer) -> None:
+    """+whole: torch.compile each model part whole (embedding, blocks, norm, head), after the
+    trainer built it (FSDP applied), instead of --compile's per-block compile. The layout is
+    built without --compile and with plain norms and activations (--no-fused-kernels), as
+    --compile builds them for inductor to fuse."""
+    for part in trainer.parts:
+        part.compile()
 
 
 def _expandable():
     torch.cuda.memory._set_allocator_settings("expandable_segments:True")
-    return [(None, "expandable", lambda: torch.cuda.memory._set_allocator_settings("expandable_segments:False"))]
-
-
-def _dtensor_tp():
-    """The Llama's TP blocks through the DTensor styles (before local_tensor_parallel)."""
-    from meshtron.models.llama import parallelize as llama
-    plan = llama.tp_plan
-    return [(llama, "tp_plan", lambda model, sp, lp, moe=False, local=False: plan(model, sp, lp, moe, False))]
-
-
-def _head_units():
-    """torchtitan's FSDP units for the Llama: the embedding (resharded under zero 3) and
-    [final norm, output head] (kept gathered) apart from the root, whose reduce-scatter
-    then waits for the whole backward with no parameters of its own left."""
-    from torch.distributed.fsdp import fully_shard
-
-    from meshtron.distributed.data_parallel import mp_policy
-    from meshtron.distributed.parallelize import dp_mesh_of
-    from meshtron.models.llama import parallelize as llama
-    apply_dp = llama.apply_dp
-
-    def split(model, mesh, par, blocks, experts=(), dp_mesh=None):
-        dp_mesh = dp_mesh if dp_mesh is not None else dp_mesh_of(mesh, par)
-        policy = mp_policy(par.dtype, par.reduce_dtype)
-        fully_shard(model.tok_embeddings, mesh=dp_mesh, reshard_after_forward=par.zero == 3, mp_policy=policy)
-        fully_shard([model.norm, model.output], mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
-        apply_dp(model, mesh, par, blocks, experts=experts, dp_mesh=dp_mesh)
-    return [(llama, "apply_dp", split)]
+    return [lambda: torch.cuda.memory._set_allocator_settings("expandable_segments:False")]
 
 
 def _skip_guards():
@@ -238,15 +122,14 @@ def _skip_guards():
     changes after the first step; this benchmark's steps repeat one shape and mode, and the losses
     against the row without say whether that held. Measured 2026-11-28 (pp2 x tp2 with CUDA graphs):
     no faster (RESULTS.md, CUDA graphs)."""
-    return [(None, "skipguards", lambda: torch.compiler.set_stance("default"))]
+    return [lambda: torch.compiler.set_stance("default")]
 
 
-# per-layout options, `layout+option+...`: (module, name, value) patches for the build, undone after
+# per-layout options, `layout+option+...`: each sets what it needs of torch (never of meshtron,
+# whose public options the layout's flags are) before the build, and returns what undoes it
 OPTIONS = {
-    "whole": _compile_whole,
-    "heads": _head_units,        # embedding and head FSDP units of their own (torchtitan's)
+    "whole": lambda: [],         # each model part compiled whole (_compile_whole; flags_of drops --compile)
     "expandable": _expandable,   # the allocator's expandable segments from this layout's build on
-    "dtensor": _dtensor_tp,      # TP blocks on DTensors, the path local tensors replaced
     # the trainer's --cuda-graphs (flags_of adds it): CUDA graphs of the compiled blocks, FSDP's gathered
     # weights kept in place between steps, a new graph generation each step (meshtron.distributed.cuda_graphs)
     "graphs": lambda: [],
@@ -272,8 +155,9 @@ def flags_of(name: str) -> tuple[int, list[str]]:
     if base not in LAYOUTS:
         raise SystemExit(f"unknown layout {name}; known: {', '.join(LAYOUTS)} (each also with _compile)")
     world, flags = LAYOUTS[base]
-    return world, (flags + (["--compile"] if name.endswith("_compile") else [])
-                   + (["--cuda-graphs"] if "graphs" in opts else []))
+    whole = "whole" in opts
+    return world, (flags + (["--compile"] if name.endswith("_compile") and not whole else [])
+                   + (["--no-fused-kernels"] if whole else []) + (["--cuda-graphs"] if "graphs" in opts else []))
 
 
 def sync(device):
@@ -418,18 +302,13 @@ def bubble(result: dict, par, microbatches: int, world: int, device) -> None:
 
 
 def build_with_options(config, opts: list[str]):
-    """The Trainer built under the layout's +options (module attributes patched for the
-    build, then restored); (trainer, the patches, whose undo hooks run after measuring)."""
-    patches = [p for o in opts for p in OPTIONS[o]()]
-    undo = [(m, n, getattr(m, n)) for m, n, _ in patches if m is not None]
-    for m, n, v in patches:
-        if m is not None:
-            setattr(m, n, v)
-    try:
-        return Trainer(config, verbose=False), patches
-    finally:
-        for m, n, v in undo:
-            setattr(m, n, v)
+    """The Trainer built under the layout's +options; (trainer, what undoes the options, to
+    run after measuring)."""
+    undo = [u for o in opts for u in OPTIONS[o]()]
+    trainer = Trainer(config, verbose=False)
+    if "whole" in opts:
+        _compile_whole(trainer)
+    return trainer, undo
 
 
 def measure(name: str, recipe_flags: list[str], args) -> dict:
@@ -441,7 +320,7 @@ def measure(name: str, recipe_flags: list[str], args) -> dict:
                               models=models.PRESETS)
     opts = split_options(name)[1]
     t0 = time.perf_counter()
-    trainer, patches = build_with_options(config, opts)
+    trainer, undo = build_with_options(config, opts)
     build_s = time.perf_counter() - t0
     device = trainer.device
     cuda = device.type == "cuda"
@@ -463,7 +342,7 @@ def measure(name: str, recipe_flags: list[str], args) -> dict:
     peak = peak_tflops(device)
     flops = trainer.model_config.flops_per_token(config.training.seq_len)
     result = dict(layout=name, model=config.model.model, world=world, flags=" ".join(recipe_flags + flags),
-                  experiment=args.experiment, sdpa=sdpa,
+                  sdpa=sdpa,
                   global_batch=trainer.global_batch, seq_len=config.training.seq_len, step_ms=step_s * 1e3,
                   step_ms_rounds=[r * 1e3 for r in rounds], tokens_per_s_per_gpu=tps_gpu,
                   tflops_per_gpu=tps_gpu * flops / 1e12, mfu=tps_gpu * flops / 1e12 / peak if peak else None,
@@ -497,9 +376,8 @@ def measure(name: str, recipe_flags: list[str], args) -> dict:
     torch._dynamo.reset()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    for m, _, undo_option in patches:
-        if m is None:
-            undo_option()
+    for u in undo:
+        u()
     return result
 
 
@@ -560,7 +438,7 @@ def profile(step, n: int, device, path: str, trace: str | None = None) -> dict:
         name = e.name.lower()
         kind = next((k for k, keys in KINDS if any(s in name for s in keys)), "other")
         by_kind[kind] += e.time_range.elapsed_us() / 1e3 / n
-        # NCCL kernels and the peer-to-peer copies of symmetric memory (async TP) move data
+        # NCCL kernels and the peer-to-peer copies of symmetric memory (--tp-overlap-comm copy-engine) move data
         span = (e.time_range.start, e.time_range.end)
         peer_copy = name.startswith("memcpy") and ("ptop" in name or "dtod" in name)
         (comm if kind == "nccl" or peer_copy else compute).append(span)
@@ -693,7 +571,7 @@ def forget() -> None:
 
 def error_text(e: BaseException) -> str:
     """`Type: message` of an exception and of each one it was raised from: the pipeline's
-    "[Stage 0] failed to run forward" names no cause of its own (2026-11-28, async TP with graphs)."""
+    "[Stage 0] failed to run forward" names no cause of its own."""
     parts, seen = [], set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
@@ -728,7 +606,6 @@ def main():
                    "inside, each optimizer step (memory_phases_gib_ranks)")
     p.add_argument("--check-replicas", action="store_true",
                    help="after the run, report parameters whose replicas differ across ranks")
-    p.add_argument("--experiment", default="", help="comma list of EXPERIMENTS to patch in (measurements only)")
     p.add_argument("--out", default=".")
     p.add_argument("--summarize", default=None, help="print the table of a results.jsonl")
     p.add_argument("--peer", default=None, help="with --summarize: the peers' results (same layout names)")
@@ -739,27 +616,17 @@ def main():
         return
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
-    for name in filter(None, args.experiment.split(",")):
-        EXPERIMENTS[name]()
     init_process_group(600)
     world = dist.get_world_size()
     os.makedirs(args.out, exist_ok=True)
-    compiled = False
     for name in args.layouts.split(","):
         if flags_of(name)[0] != world:
             continue
-        if compiled and "async" in name and name.endswith("_compile"):
-            # measured on torch 2.11: built after a plain compiled layout in one process,
-            # async TP's first gradients differed from its own run alone (HISTORY.md, ninth session)
-            result = dict(layout=name, world=world, error="a compiled async-TP layout must be the first compiled "
-                          "layout of its process: give it its own torchrun")
-        else:
-            try:
-                result = measure(name, recipe_flags, args)
-            except Exception as e:  # noqa: BLE001 - record and go on with the next layout
-                result = dict(layout=name, world=world, error=error_text(e))
-                forget()
-            compiled |= name.endswith("_compile")
+        try:
+            result = measure(name, recipe_flags, args)
+        except Exception as e:  # noqa: BLE001 - record and go on with the next layout
+            result = dict(layout=name, world=world, error=error_text(e))
+            forget()
         record(result, os.path.join(args.out, "results.jsonl"))
     dist.destroy_process_group()
 
