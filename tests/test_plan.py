@@ -189,10 +189,11 @@ def test_plan_ranks_every_layout_of_64_gpus():
     best = fit[0]
     assert best.par.tp <= 8 and best.memory <= plan.GPUS["h200"].memory_bytes
     assert all(a.step_s <= b.step_s for a, b in zip(fit, fit[1:]))
-    # on 64 GPUs every layout but DDP (zero 0) shards the 16 bytes per parameter of fp32
-    # weights, grads and Adam state over some axis (dp, cp and ep through FSDP, tp, pp)
+    # on 64 GPUs every layout but DDP (zero 0) shards the fp32 weights and Adam state (12 bytes
+    # per parameter, live at every peak; the gradients are not at the loss's) over some axis
+    # (dp, cp and ep through FSDP, tp, pp)
     cfg = plan.models.get("llama-8B")[1]
-    assert all((p.state >= 16 * cfg.num_params()) == (p.par.zero == 0 and p.par.tp * p.par.pp == 1) for p in fit)
+    assert all((p.state >= 12 * cfg.num_params()) == (p.par.zero == 0 and p.par.tp * p.par.pp == 1) for p in fit)
 
 
 def test_the_command_prints_a_ranked_table(capsys):
