@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import statistics
 import sys
@@ -336,6 +337,7 @@ def parse_args(argv=None):
                     help="rows (tokens) of the RMSNorm and SwiGLU shapes: micro-batch 16 x sequence 2048")
     ap.add_argument("--only", type=parse_ops, default=OPS, metavar="OPS",
                     help=f"comma-separated ops to run, of {','.join(OPS)} (default: all)")
+    ap.add_argument("--out", default=None, help="also write the GPU-time rows to OUT/kernels.jsonl")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes on CPU tensors with wall-clock medians and torch.compile's aot_eager "
                          "backend: checks that the script runs, measures nothing")
@@ -488,6 +490,11 @@ def main():
     print(f"\ndevice: {dev}; {vers}; bf16; copy {copy:.0f} GB/s ({2 * numel / 2 ** 30:g} GiB)")
     table(f"do_bench medians, GB/s (copy by do_bench {copy_db:.0f})", rows.do_bench, copy_db)
     table("GPU time (host queued ahead), GB/s", rows.gpu, copy)
+    if args.out:   # one JSON line per (op, shape, direction): the rows of `python -m benchmarks run kernels`
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "kernels.jsonl"), "a") as f:
+            for op, shape, d, r in rows.gpu:
+                f.write(json.dumps(dict(op=op, shape=shape, dir=d, **r, device=dev, versions=vers)) + "\n")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ kernel time per call.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import sys
 
@@ -157,6 +159,7 @@ def main(argv=None) -> None:
     ap.add_argument("--balanced-routing", action="store_true",
                     help="the MoE layer assigns experts round-robin (load max/mean 1), not by its router")
     ap.add_argument("--batch-balance", action="store_true", help="only the cost of batch balancing")
+    ap.add_argument("--out", default=None, help="also write the experts' and the layer's rows to OUT/moe.jsonl")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -179,8 +182,11 @@ def main(argv=None) -> None:
             print(f"{experts:>8} {per_expert:>14} {width:>6} " + cols(flops, t, td))
     print("expert MLPs (SwiGLU) forward+backward against one dense MLP of the same shape over the same rows")
     print(f"{'experts':>8} {'tokens/expert':>14} " + head)
+    rows = []   # the dense GPU time over the experts' (or the layer's): `python -m benchmarks run moe-experts`
     for experts, per_expert in sizes:
-        print(f"{experts:>8} {per_expert:>14} " + cols(*experts_row(d, h, experts, per_expert, dtype, device)))
+        flops, t, td = experts_row(d, h, experts, per_expert, dtype, device)
+        print(f"{experts:>8} {per_expert:>14} " + cols(flops, t, td))
+        rows.append(dict(kind="experts", experts=experts, tokens=per_expert, dense_over_moe_gpu=td[1] / t[1]))
     routing = "round-robin (--balanced-routing)" if args.balanced_routing else "its router, random input"
     print(f"one MoE layer (router, top-2 of 16 SwiGLU experts; experts by {routing}) forward+backward against "
           "a dense SwiGLU of width k*h")
@@ -188,6 +194,11 @@ def main(argv=None) -> None:
     for tokens in ((4096, 8192, 16384) if not args.smoke else (64,)):
         flops, t, td, load = layer_row(d, h, E, k, tokens, dtype, device, args.balanced_routing)
         print(f"{tokens:>8} " + cols(flops, t, td) + f" {load:>14.2f}")
+        rows.append(dict(kind="layer", experts=E, tokens=tokens, dense_over_moe_gpu=td[1] / t[1], load=load))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "moe.jsonl"), "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
 
 if __name__ == "__main__":
     sys.exit(main())

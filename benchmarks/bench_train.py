@@ -22,7 +22,7 @@ torch.cuda.max_memory_allocated (and _reserved, which torchtitan logs), the
 largest over ranks. Every step's loss and gradient norm are recorded (`losses`,
 `grad_norms`): all layouts train the same batches from the same weights, at lr
 1e-4 unless --lr says otherwise, so they must agree to bf16 noise. Peers (torchtitan) run
-beside it in benchmarks/suite.py's suites; --summarize --peer joins a peer's rows
+beside it in the suites (python -m benchmarks run SUITE); --summarize --peer joins a peer's rows
 by layout name.
 """
 from __future__ import annotations
@@ -314,7 +314,7 @@ def build_with_options(config, opts: list[str]):
 def measure(name: str, recipe_flags: list[str], args) -> dict:
     world, flags = flags_of(name)
     # lr 1e-4 unless the flags say otherwise: at the recipe's 1e-3 the first steps of a
-    # 1B model are chaotic and layouts' losses part within a few steps (HISTORY.md, ninth session)
+    # 1B model are chaotic and layouts' losses part within a few steps (docs/performance.md)
     steps = args.warmup + args.rounds * args.steps + 1
     config = Config.from_args(["--dtype", "bf16", "--lr", "1e-4", "--steps", str(steps)] + recipe_flags + flags,
                               models=models.PRESETS)

@@ -4,24 +4,29 @@
 # (warmup, then cosine to 0.1 of the peak over the whole run: torchtitan's decay_type cosine with
 # decay_ratio 1 and min_lr_factor 0.1 is meshtron's warmup_cosine), then one plot of the three curves.
 #
-# Same tokens: `prepare` (once, on a machine with the kit in .peer/: ../shared/torchtitan-peer/README.md)
+# Same tokens: `prepare` (once; the default list runs it where its file is missing; the peer kit's assets
+# in ASSETS, default .peer/: benchmarks/peers/torchtitan/README.md)
 # replays torchtitan's loader (each document as BOS + ids + EOS, one stream, cut into windows of SEQ + 1
 # tokens, re-looped at the end) for STEPS x MB windows and writes each window's first SEQ tokens to a
 # .u16 file, which meshtron reads in order (--no-shuffle): every step both see the same inputs, and all
 # targets but each sequence's last are the same.
-# Run on the GPU machine from the checkout, with .peer/ (the kit) and torchao installed:
+# Run on the GPU machine from the checkout, with the kit's assets and torchao installed (or: python -m benchmarks
+# run convergence, whose rows are the summary's means):
 #   OUT=$OUT bash benchmarks/convergence.sh [bf16] [fp8] [torchtitan]     (default: all three, then the summary)
 #   bash benchmarks/convergence.sh summary        (last-20-step means and the plot from $OUT)
 # Env: MT_ARGS (more meshtron flags) STEPS=300 MB=8 (sequences a step) SEQ=2048 LR=3e-4 (llama-1B's preset) WARMUP=30 MODEL=llama-1B
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-KIT=${KIT:-$ROOT/.peer}
+ASSETS=${ASSETS:-$ROOT/.peer}
 OUT=${OUT:-/tmp/convergence}
 STEPS=${STEPS:-300} MB=${MB:-8} SEQ=${SEQ:-2048} LR=${LR:-3e-4} WARMUP=${WARMUP:-30} MODEL=${MODEL:-llama-1B}
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} PYTORCH_ALLOC_CONF=expandable_segments:True
 mkdir -p "$OUT"
-[ $# -gt 0 ] || set -- bf16 fp8 torchtitan summary
+if [ $# -eq 0 ]; then
+  set -- bf16 fp8 torchtitan summary
+  [ -f "$ASSETS/mt/c4_tt.u16" ] || set -- prepare "$@"
+fi
 
 meshtron() {  # name, extra flags
   local name=$1; shift
@@ -29,7 +34,7 @@ meshtron() {  # name, extra flags
   echo "=== meshtron $name"
   PYTHONPATH=$ROOT $PY "$ROOT/recipes/train.py" --model "$MODEL" --untie-embeddings --dtype bf16 --compile \
     --seq-len "$SEQ" --micro-batch "$MB" --steps "$STEPS" --lr "$LR" --warmup "$WARMUP" \
-    --data "$KIT/mt/c4_tt.u16" --no-shuffle --seed 0 --log-interval 1 --metrics-file "$OUT/$name.jsonl" "$@" ${MT_ARGS:-} 2>&1 | grep -v Warning | tail -4
+    --data "$ASSETS/mt/c4_tt.u16" --no-shuffle --seed 0 --log-interval 1 --metrics-file "$OUT/$name.jsonl" "$@" ${MT_ARGS:-} 2>&1 | grep -v Warning | tail -4
 }
 
 torchtitan() {  # its log's "step: N  loss: X" lines -> the JSON lines meshtron.plot reads
@@ -37,7 +42,7 @@ torchtitan() {  # its log's "step: N  loss: X" lines -> the JSON lines meshtron.
   STEPS=$STEPS LOG_FREQ=1 T_COMPILE=900 TT3_ARGS="--training.local_batch_size $MB --training.seq_len $SEQ \
     --optimizer.lr $LR --lr_scheduler.warmup_steps $WARMUP --lr_scheduler.decay_type cosine \
     --lr_scheduler.decay_ratio 1.0 --lr_scheduler.min_lr_factor 0.1" \
-    bash "$KIT/run.sh" llama1b_1gpu_compile 2>&1 | tail -3
+    ASSETS=$ASSETS bash "$ROOT/benchmarks/peers/torchtitan/run.sh" llama1b_1gpu_compile 2>&1 | tail -3
   sed 's/\x1b\[[0-9;]*m//g' /tmp/tt3_logs/llama1b_1gpu_compile.log \
     | $PY -c "import re,sys,json
 for l in sys.stdin:
@@ -46,8 +51,8 @@ for l in sys.stdin:
 }
 
 prepare() {
-  mkdir -p "$KIT/mt"
-  $PY - "$KIT" "$STEPS" "$MB" "$SEQ" <<'PY'
+  mkdir -p "$ASSETS/mt"
+  $PY - "$ASSETS" "$STEPS" "$MB" "$SEQ" <<'PY'
 import json, sys
 import numpy as np
 from tokenizers import Tokenizer

@@ -164,7 +164,7 @@ def test_1f1b_holds_at_most_pp_micro_batches_on_the_first_stage(pools):
 
 def test_zero_bubble_with_compile_is_refused_where_torch_cannot_run_it(monkeypatch):
     # torch 2.11's split backward fails on compiled blocks (measured on the GPU machines);
-    # 2.13 runs it (a CPU run of the recipe: benchmarks/HISTORY.md, eighth session)
+    # 2.13 runs it (a CPU run of the recipe, commit b4e340e)
     argv = ["--pp", "2", "--pp-schedule", "zero-bubble", "--pp-virtual", "2", "--compile"]
     Config.from_args(argv).validate(world_size=2)
     monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
