@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import gc
 import os
+import re
 import sys
 
 import pytest
@@ -153,12 +154,15 @@ def predicted_gib(row: dict) -> float:
 
 
 def table() -> str:
-    """docs/planner.md's table: each measured row's peak against the planner's."""
-    lines = ["| GPUs | flags | measured GiB | predicted | error |", "|---|---|---|---|---|"]
+    """docs/planner.md's table: each measured row's peak against the planner's, with the
+    commit and the day it was measured at (from its source)."""
+    lines = ["| GPUs | flags | measured GiB | predicted | error | measured at |", "|---|---|---|---|---|---|"]
     for r in _rows():
         p = predicted_gib(r)
+        commit, day = re.search(r"commit (\w+)", r["source"]), re.search(r"20\d\d-\d\d-\d\d", r["source"])
+        when = " ".join(m.group(1 if m is commit else 0) for m in (commit, day) if m)
         lines.append(f"| {r['world']} | `{r['flags']}` | {r['peak_mem_gib']:.2f} | {p:.2f} | "
-                     f"{p / r['peak_mem_gib'] - 1:+.1%} |")
+                     f"{p / r['peak_mem_gib'] - 1:+.1%} | {when} |")
     return "\n".join(lines)
 
 
