@@ -58,7 +58,12 @@ def train_figures(r: dict) -> dict:
             "load": r.get("expert_load_timed_max"), "bubble_predicted": r.get("bubble_predicted")}
     if r.get("bubble_measured"):
         figs["bubble_measured"] = max(r["bubble_measured"])
-    return {k: v for k, v in figs.items() if v is not None and v == v}   # no NaN (the CPU's peak memory)
+    return figs
+
+
+def kept(figs: dict) -> dict:
+    """The figures that were measured: no None, no NaN (the CPU's peak memory)."""
+    return {k: v for k, v in figs.items() if isinstance(v, (int, float)) and v == v}
 
 
 def peer_figures(log: str) -> tuple[dict, str | None]:
@@ -79,7 +84,7 @@ def peer_figures(log: str) -> tuple[dict, str | None]:
     if load:
         figs["load"] = max(float(x) for x in load.group(1).split()[-5:])
     version = re.search(r"torchtitan ([\w.+]+)", text)
-    return {k: v for k, v in figs.items() if v is not None}, version.group(1) if version else None
+    return figs, version.group(1) if version else None
 
 
 def run_job(job: Job, devices: list[int], out: str, args) -> dict:
@@ -126,8 +131,8 @@ def run_job(job: Job, devices: list[int], out: str, args) -> dict:
             if os.path.exists(os.path.join(folder, "results.jsonl")) else []
         if results and "error" not in results[-1]:
             rows[job.name] = (train_figures(results[-1]), job.peer, None)
-    elif rc == 0:
-        rows = job.read(job, folder)
+    elif rc == 0:   # a tool's rows; its reader names a peer, or the job's is theirs
+        rows = {row: (figs, peer or job.peer, ratio) for row, (figs, peer, ratio) in job.read(job, folder).items()}
     print(f"  {job.name}: rc={rc}, {len(rows)} row(s) in {time.time() - t0:.0f} s on GPUs {devices}"
           + ("" if rc == 0 else f"; log {log}"), flush=True)
     return {"rc": rc, "rows": rows, "versions": {k: v for k, v in versions.items() if v}}
@@ -209,7 +214,7 @@ def run(names: list[str], args, suites: dict = SUITES) -> list[dict]:
             if ratio is None and tps and peer_tps:
                 ratio = tps / peer_tps
             records.append({"suite": s, "row": row, **base, "versions": versions | more,
-                            "figures": {k: round(v, 6) if isinstance(v, float) else v for k, v in figs.items()},
+                            "figures": {k: round(v, 6) if isinstance(v, float) else v for k, v in kept(figs).items()},
                             "peer": peer if peer in measured or ratio else None,
                             "ratio": round(ratio, 4) if ratio else None})
     os.makedirs(args.data, exist_ok=True)

@@ -102,7 +102,7 @@ def read_kernels(job: Job, out: str) -> dict:
         peers = {k: r[k] for k in ("eager", "compile", "liger") if r.get(k)}
         rows[f"{r['op']} {r['shape']} {r['dir']}"] = (
             {"gb_s": r["meshtron"], **{f"{k}_gb_s": v for k, v in peers.items()}}, "best peer",
-            r["meshtron"] / max(peers.values()))
+            r["meshtron"] / max(peers.values()) if peers else None)
     return rows
 
 

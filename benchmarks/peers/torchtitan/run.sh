@@ -5,10 +5,10 @@
 # 0.3.0 cannot import on the GPU machine's torch 2.11 (needs torch >= 2.12: fsdp.DataParallelMeshDims).
 #
 # Run on the GPU machine (see README.md):
-#   run.sh dense_1gpu dense_fsdp4 cp4_32k moe_ep4
+#   run.sh llama1b_1gpu_compile cp4_128k moe_ep4
 #   run.sh list                # the variants and their exact commands
 #   (or `bash run.sh ...` where the file lost its executable bit)
-# Env: T=150 (timeout s per variant; T_COMPILE=240 for *compile*/*asynctp* variants, whose
+# Env: T=150 (timeout s per variant; T_COMPILE=240 for *compile* variants, whose
 #      first step compiles)  STEPS=20  LOG_FREQ=5  SITE=/tmp/site (wheel target)
 #      TT3_ARGS="..." extra torchtitan CLI overrides appended to every variant (the last
 #      occurrence of a flag wins), e.g. TT3_ARGS="--training.local_batch_size 8"
@@ -38,30 +38,12 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 # Each runs `python3 -m torch.distributed.run` (= torchrun, from the same interpreter)
 # with `-m torchtitan.train --job.config_file configs/<config> <args>`.
 spec() {
-  local D="dense_1p3b.toml" C="cp_8l.toml" M="moe_qwen3.toml" L="llama1b.toml"
+  local C="cp_8l.toml" M="moe_qwen3.toml" L="llama1b.toml"
   local DP="--parallelism.data_parallel_shard_degree" TP="--parallelism.tensor_parallel_degree"
   local CP="--parallelism.context_parallel_degree" EP="--parallelism.expert_parallel_degree"
   local SL="--training.seq_len" CO="--compile.enable" BF="--training.dtype bfloat16"
   case $1 in
-    # (a) dense ~1.3B llama3-style, seq 2048, 4 samples/rank, no activation recompute
-    dense_1gpu)              echo "1 $D" ;;
-    dense_1gpu_compile)      echo "1 $D $CO" ;;
-    dense_fsdp2)             echo "2 $D $DP 2" ;;
-    dense_fsdp2_compile)     echo "2 $D $DP 2 $CO" ;;
-    dense_fsdp4)             echo "4 $D $DP 4" ;;
-    dense_fsdp4_compile)     echo "4 $D $DP 4 $CO" ;;
-    dense_tp2fsdp2)          echo "4 $D $TP 2 $DP 2" ;;
-    dense_tp2fsdp2_compile)  echo "4 $D $TP 2 $DP 2 $CO" ;;
-    # TP without FSDP: torchtitan 0.2.2 applies no mixed precision ("Mixed precision
-    # training is disabled"), i.e. fp32 matmuls. The *_bf16 variants set training.dtype
-    # bfloat16 (bf16 params/grads/optimizer state) so the matmuls run in bf16.
-    dense_tp2)               echo "2 $D $TP 2 $DP 1 $BF" ;;
-    dense_tp2_compile)       echo "2 $D $TP 2 $DP 1 $BF $CO" ;;
-    dense_tp4)               echo "4 $D $TP 4 $DP 1 $BF" ;;
-    dense_tp4_compile)       echo "4 $D $TP 4 $DP 1 $BF $CO" ;;
-    dense_tp4_asynctp)       echo "4 $D $TP 4 $DP 1 $BF $CO --parallelism.enable_async_tensor_parallel" ;;
-    dense_tp2_fp32)          echo "2 $D $TP 2 $DP 1" ;;
-    dense_tp4_fp32)          echo "4 $D $TP 4 $DP 1" ;;
+    # TP without FSDP: torchtitan 0.2.2 applies no mixed precision, so the tp variants set $BF
     # (d) Llama 3.2 1B shape, 16 x 2048 per replica (meshtron's llama-1B --untie-embeddings)
     llama1b_1gpu)            echo "1 $L" ;;
     llama1b_1gpu_compile)    echo "1 $L $CO" ;;
@@ -104,10 +86,8 @@ spec() {
     *) return 1 ;;
   esac
 }
-ALL="dense_1gpu dense_1gpu_compile dense_fsdp2 dense_fsdp2_compile dense_fsdp4 dense_fsdp4_compile
- dense_tp2fsdp2 dense_tp2fsdp2_compile dense_tp2 dense_tp2_compile dense_tp4 dense_tp4_compile
- dense_tp4_asynctp llama1b_1gpu llama1b_1gpu_compile llama1b_1gpu_fp8 llama1b_1gpu_fp8_rowwise
- llama3b_1gpu_compile llama3b_1gpu_fp8 llama1b_fsdp4 llama1b_fsdp4_compile llama1b_tp2fsdp2_compile llama1b_tp4_compile llama1b_tp2_compile llama1b_fsdp2_compile llama1b_fsdp4_fp8 llama1b_tp2fsdp2_fp8 llama1b_tp4_fp8 llama8b_fsdp4_compile llama8b_fsdp4_fp8 dense_tp2_fp32 dense_tp4_fp32 cp1_16k cp1_32k cp1_64k cp1_64k_noac cp2_32k
+ALL="llama1b_1gpu llama1b_1gpu_compile llama1b_1gpu_fp8 llama1b_1gpu_fp8_rowwise
+ llama3b_1gpu_compile llama3b_1gpu_fp8 llama1b_fsdp4 llama1b_fsdp4_compile llama1b_tp2fsdp2_compile llama1b_tp4_compile llama1b_tp2_compile llama1b_fsdp2_compile llama1b_fsdp4_fp8 llama1b_tp2fsdp2_fp8 llama1b_tp4_fp8 llama8b_fsdp4_compile llama8b_fsdp4_fp8 cp1_16k cp1_32k cp1_64k cp1_64k_noac cp2_32k
  cp2_64k cp4_32k cp4_64k cp4_128k moe_1gpu moe_fsdp4 moe_ep2 moe_ep2_2gpu moe_ep4 moe_ep4_compile"
 
 cmd_of() {  # variant -> full command line (words)
@@ -164,7 +144,7 @@ for V in "$@"; do
     SUMMARY+=$(printf "%-24s skipped (needs %s GPUs)" "$V" "$NP")$'\n'
     continue
   fi
-  case $V in *compile*|*asynctp*) TV=$T_COMPILE ;; *) TV=$T ;; esac
+  case $V in *compile*) TV=$T_COMPILE ;; *) TV=$T ;; esac
   rm -rf "$LOGS/$V.ranks" "/tmp/tt3_out/$V"
   echo
   echo "=== $V  (timeout ${TV}s)"
