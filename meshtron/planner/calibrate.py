@@ -167,12 +167,18 @@ def host_seconds(spec, cfg, device: torch.device, repeats: int = 10, tokens: int
     modes = ("none", "full") if getattr(cfg, "moe", None) else MODES
     times = {mode: [] for mode in modes}
     for layers in (1, 3):
-        model = spec.model_cls(dataclasses.replace(cfg, n_layers=layers), seed=0).to(device, dtype)
+        # as the trainer runs one process: fp32 weights under bf16 autocast, whose casts and
+        # dispatch are host time too
+        model = spec.model_cls(dataclasses.replace(cfg, n_layers=layers), seed=0).to(device)
         blocks = list(model.layers.values())
         plain = [type(b) for b in blocks]
         for mode in modes:
             apply_recompute(blocks, mode)
-            times[mode].append(_time(lambda m=model: logits_of(m(x)).float().sum().backward(), device, repeats))
+            def step(m=model):
+                with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                    out = logits_of(m(x))
+                out.float().sum().backward()
+            times[mode].append(_time(step, device, repeats))
             for block, cls in zip(blocks, plain):
                 block.__class__ = cls
         del model
@@ -215,12 +221,13 @@ def moe_parts(spec, cfg, device: torch.device, tokens: int, peak: float, repeats
 
 
 FAMILIES = (("llama", "llama-1B"), ("gpt", "1.3B"), ("moe", "llama-moe-3B"))
+TINY_FAMILIES = (("llama", "llama-tiny"), ("gpt", "tiny"), ("moe", "llama-moe-tiny"))
 
 
-def host_families(device: torch.device, repeats: int = 10) -> list[list]:
+def host_families(device: torch.device, repeats: int = 10, quick: bool = False) -> list[list]:
     """[family, recompute, seconds]: host_seconds' per-layer time of a preset of each model family."""
     out = []
-    for name, preset in FAMILIES:
+    for name, preset in TINY_FAMILIES if quick else FAMILIES:
         spec, cfg = models.get(preset)
         for key, value in host_seconds(spec, cfg, device, repeats).items():
             if key.startswith("host_layer"):
@@ -299,7 +306,7 @@ def calibrate(model: str, tokens: int, seq_len: int, device: torch.device, quick
         cfg.dim, cfg.n_heads, device, tokens, seq_len, peak, repeats, torch.float32) / out["attention_efficiency"]
     host = host_seconds(spec, cfg, device, repeats)
     out |= host
-    out["host_layers"] = host_families(device, repeats)
+    out["host_layers"] = host_families(device, repeats, quick)
     measured = ["matmul_efficiency", "matmul_curve", "attention_efficiency", "attention_curve", "hbm_bandwidth",
                 "matmul_dtype_ratio", "attention_fp32_ratio", *host, "host_layers"]
     if getattr(cfg, "moe", None) is not None:

@@ -8,7 +8,8 @@ Everything a step is made of is measured on the machine (meshtron.planner.calibr
 dtype, attention, HBM bandwidth, the host) or counted from the code (FLOPs, bytes, collectives);
 what no part shows is a handful of terms shared by every machine, since they describe the code,
 not the GPU: what a real step adds to its counted compute, compiled and eager (the kernels no
-count names); the host's eager time over calibrate's; and, on several GPUs, collectives inside a
+count names); the host's eager time over calibrate's; a MoE block's routing kernels, whose time is
+their launch latency rather than bytes; and, on several GPUs, collectives inside a
 step over alone, the host per collective call, the pipeline's idle over its formula and what a
 hidden collective still costs the compute beside it.
 
@@ -38,7 +39,8 @@ from meshtron.planner.hardware import Hardware, calibration_path
 # (term, lowest, highest): the range a physical value can take
 TERMS = (("compute_scale_compiled", 0.7, 1.6), ("compute_scale_eager", 0.7, 1.6), ("host_scale", 0.5, 3.0),
          ("comm_scale", 0.3, 4.0), ("host_collective_s", 0.0, 5e-3), ("host_collective_compiled_s", 0.0, 5e-3),
-         ("host_microbatch_compiled_s", 0.0, 0.05), ("bubble_scale", 0.3, 4.0), ("overlap_cost", 0.0, 1.0))
+         ("host_microbatch_compiled_s", 0.0, 0.05), ("bubble_scale", 0.3, 4.0), ("overlap_cost", 0.0, 1.0),
+         ("moe_layer_s", 0.0, 0.01))
 
 NEUTRAL = {"compute_scale_compiled": 1.0, "compute_scale_eager": 1.0, "host_scale": 1.0, "comm_scale": 1.0,
            "bubble_scale": 1.0}
@@ -105,8 +107,8 @@ def _descend(terms, rows, machines, values: dict, rounds: int, points: int) -> d
     return values
 
 
-def fit(rows: list[dict], machines: dict[str, Hardware], rounds: int = 6, points: int = 17,
-        starts: int = 8) -> dict[str, float]:
+def fit(rows: list[dict], machines: dict[str, Hardware], rounds: int = 5, points: int = 13,
+        starts: int = 4) -> dict[str, float]:
     """TERMS fitted to the rows' step times (each row predicted with its machine's measured
     parts): the best of coordinate descents from neutral values and from `starts` fixed
     pseudo-random points (the terms trade against each other, and one descent can stop in a

@@ -70,6 +70,9 @@ class Hardware:
     # llama, moe: a mixture of experts' routing launches many small kernels); host_layer_s and
     # its recompute forms stand in for a family not measured
     host_layers: tuple[tuple[str, str, float], ...] = ()
+    # GPU seconds a MoE block's routing takes beyond its counted bytes: small kernels (top-k rounds,
+    # counts, the sort) whose time is their launch latency on the device, not their bytes
+    moe_layer_s: float = 0.0
     # the eager host time of a training step over calibrate's (the trainer's step adds the loss,
     # clipping and its own Python to the model's forward and backward)
     host_scale: float = 1.0

@@ -223,6 +223,7 @@ class StepTerms:
     host_eager: float        # eager host seconds (per micro-batch and layer, calibrated on one GPU)
     microbatches: int
     layers: int
+    moe_calls: float         # MoE blocks run (micro-batches x layers, again under full recompute)
     bubble: float            # the schedule's formula
     compiled: bool
 
@@ -234,7 +235,7 @@ def step_time(t: StepTerms, hw: Hardware) -> tuple[float, float]:
     inside the next collective); the pipeline idles its bubble share of that; FSDP's gathers and
     reductions run behind the compute except one unit's and what the compute cannot cover."""
     compute = (t.compute + t.memory) * (hw.compute_scale_compiled if t.compiled else hw.compute_scale_eager) + \
-        t.fp8_cast * hw.fp8_cast_bytes
+        t.fp8_cast * hw.fp8_cast_bytes + t.moe_calls * hw.moe_layer_s
     exposed = (t.tp + t.ep + t.cp) * hw.comm_scale
     fsdp = t.fsdp * hw.comm_scale
     if t.compiled:
@@ -285,8 +286,9 @@ def step_terms(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: i
             hw.peak_flops * hw.attention_at(cfg.dim // cfg.n_heads, seq_len / d["cp"]))
         cp_comm = max(0.0, cp_ring - attention * layers * microbatches)
     bubble = bubble_fraction(par.pp_schedule, d["pp"], microbatches, par.pp_virtual) if d["pp"] > 1 else 0.0
+    moe_calls = microbatches * layers * (4 / 3 if par.recompute == "full" else 1) if family(cfg) == "moe" else 0.0
     return StepTerms(compute, memory, fp8_cast, tp_comm, ep_comm, cp_comm, pp_comm, fsdp, calls, host_eager,
-                     microbatches, layers, bubble, par.compile)
+                     microbatches, layers, moe_calls, bubble, par.compile)
 
 
 def predict(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: int, seq_len: int, hw: Hardware,
