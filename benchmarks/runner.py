@@ -140,8 +140,11 @@ def run_job(job: Job, devices: list[int], out: str, args) -> dict:
 
 def run_jobs(jobs: list[Job], out: str, args, gpus: int) -> list[dict]:
     free = list(range(gpus))
+    for j in [j for j in jobs if j.gpus > max(gpus, 1)]:
+        print(f"  {j.name}: skipped, needs {j.gpus} GPUs ({gpus} here)", flush=True)
+    jobs = [j for j in jobs if j.gpus <= max(gpus, 1)]
     if not args.pack:
-        return [run_job(j, free[:j.gpus], out, args) for j in jobs if j.gpus <= max(len(free), 1)]
+        return [run_job(j, free[:j.gpus], out, args) for j in jobs]
     results, lock, threads = [None] * len(jobs), threading.Condition(), []
 
     def worker(i, job, devices):
@@ -174,6 +177,8 @@ def machine() -> tuple[dict, dict]:
         except ImportError:
             pass
     count = torch.cuda.device_count()
+    if count:
+        versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     return {"gpu": torch.cuda.get_device_name(0) if count else "cpu", "count": count}, versions
 
 
