@@ -66,6 +66,7 @@ class Hardware:
     # FP8's casts (with their absolute maxima) move this many bytes per element of each linear's
     # input and output gradient
     fp8_cast_bytes: float = 0.0
+    fp8_rowwise_cast_bytes: float = 0.0   # the same with a scale per row (an absolute maximum per row and column)
     # (family, recompute, seconds): eager host seconds of one layer of each model family (gpt,
     # llama, moe: a mixture of experts' routing launches many small kernels); host_layer_s and
     # its recompute forms stand in for a family not measured

@@ -273,6 +273,8 @@ def step_terms(spec, cfg, par: ParallelConfig, micro_batch: int, microbatches: i
     fp8_cast = 0.0
     if par.fp8 != "none":
         fp8_cast = tokens / d["cp"] * layers * _fp8_cast_elements(cfg, d["tp"]) / hw.hbm_bandwidth
+        if par.fp8 == "rowwise" and hw.fp8_cast_bytes:   # step_time counts fp8_cast_bytes per element
+            fp8_cast *= hw.fp8_rowwise_cast_bytes / hw.fp8_cast_bytes
     host_eager = microbatches * (hw.host_microbatch_s + layers * hw.host_layer(par.recompute, family(cfg)))
     worst = None
     for rank in _pp_ranks(d):
