@@ -67,6 +67,6 @@ def test_train_figures():
     result = {"tokens_per_s_per_gpu": 100.0, "step_ms": 10.0, "mfu": None, "peak_mem_gib": float("nan"),
               "profile": {"compute_busy_ms": 8.0, "nccl_ms": 3.0, "exposed_comm_ms": 1.0},
               "bubble_measured": [0.1, 0.3], "bubble_predicted": 0.2}
-    assert runner.kept(runner.train_figures(result)) == {"tokens_per_s_per_gpu": 100.0, "step_ms": 10.0, "compute_ms": 8.0,
-                                            "nccl_ms": 3.0, "exposed_ms": 1.0, "bubble_predicted": 0.2,
-                                            "bubble_measured": 0.3}
+    assert runner.kept(runner.train_figures(result)) == {
+        "tokens_per_s_per_gpu": 100.0, "step_ms": 10.0, "compute_ms": 8.0, "nccl_ms": 3.0, "exposed_ms": 1.0,
+        "bubble_predicted": 0.2, "bubble_measured": 0.3}

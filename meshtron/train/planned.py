@@ -203,9 +203,9 @@ def configured(config: Config, pred) -> Config:
 
 def choice_line(pred, world: int, gpu: str, config: Config) -> str:
     from meshtron.planner.hardware import calibration_line
-    moe = getattr(_model_config(config)[1], "moe", None) is not None
-    estimate = ("; MoE: the step time is an estimate (routing and grouped GEMMs are not modelled yet), the trials "
-                "are the measure") if moe else ""
+    ep = pred.par.degrees()["ep"] > 1
+    estimate = ("; expert parallelism's exposed all-to-alls are outside the step model: the trials are the "
+                "measure") if ep else ""
     return (f"layout auto: {pred.flags()} on {world} ranks: predicted {pred.step_s * 1e3:.1f} ms a step, "
             f"{pred.memory / GiB:.1f} GiB on the fullest rank (calibration {calibration_line(gpu)}){estimate}")
 
