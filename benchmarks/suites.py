@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -208,6 +209,20 @@ def read_plan(job: Job, out: str) -> dict:
         return {}
     return {job.name: ({"step_error": statistics.fmean(abs(r["step_error"]) for r in ok),
                   "mem_error": statistics.fmean(abs(r["mem_error"]) for r in ok), "layouts": len(ok)}, None, None)}
+
+
+def read_recipe(job: Job, out: str) -> dict:
+    """recipes/train.py's log: the last logged step's tokens/s, MFU and peak memory."""
+    steps = [x for x in open(os.path.join(out, "log.txt"), errors="replace") if x.startswith("step ")]
+    if not steps:
+        return {}
+    found = {key: re.search(pattern, steps[-1]) for key, pattern in
+             (("tokens_per_s_per_gpu", r"([\d,]+) tok/s"), ("mfu", r"MFU ([\d.]+)%"),
+              ("peak_gib", r"peak mem ([\d.]+) GiB"))}
+    figures = {key: float(m.group(1).replace(",", "")) for key, m in found.items() if m}
+    if "mfu" in figures:
+        figures["mfu"] /= 100
+    return {job.name: (figures, None, None)}
 
 
 def read_convergence(job: Job, out: str) -> dict:
@@ -554,6 +569,13 @@ SUITES = {
         [mt(f"{name}, {r}", 1, "1gpu_compile", gpt(m, 4, 16, "--recompute", r),
             None if r == "none" else f"{name}, none")
          for name, m in (("GPT 1.3B", "1.3B"), ("llama-1B", "llama-1B")) for r in ("none", "full", "selective")]),
+    "defaults": Suite(
+        "What a run gets with no precision flag: llama-1B at 2 x 8192 tokens on one GPU, compiled, through the "
+        "recipe (bf16 compute, fp32 master weights and reduction on a GPU), its last logged step.",
+        [tool("llama-1B 2 x 8192, no --dtype", 1, ["recipes/train.py", "--model", "llama-1B", "--seq-len", "8192",
+                                                    "--micro-batch", "2", "--global-batch", "2", "--compile",
+                                                    "--steps", "40", "--log-interval", "10"], read_recipe,
+              launch="python")]),
     "plan": Suite(
         "The planner's step time and peak memory against measured runs (bench_plan.py's suites of layouts, each "
         "timed as bench_train.py times a layout): the mean absolute error over a suite's layouts.",
