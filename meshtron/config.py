@@ -168,6 +168,13 @@ class TrainingConfig:
     """write TensorBoard event files to this directory (needs the tensorboard package)"""
     pg_timeout: float = 600
     """seconds a collective may wait before the job fails"""
+    hang_timeout: float | None = None
+    ("seconds a rank may make no progress (a step's data loading, forward/backward, optimizer) before the job "
+     "ends, each rank's stacks and flight recorder written and the ranks that did not arrive named (default: 5 "
+     "x the slowest step seen, 30 s at least, half of --pg-timeout at most; watched from the second step; 0: off)")
+    straggler_threshold: float = 1.2
+    ("at each log line, name a rank whose busy time a step (computing, loading data: the step less its wait "
+     "in collectives) exceeds the ranks' median by this factor (0: off)")
 
 
 @dataclass
@@ -294,6 +301,12 @@ class Config:
         for name, value in (("--global-batch", t.global_batch), ("--microbatches", p.microbatches)):
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be at least 1, not {value}")
+        if t.hang_timeout is not None and not 0 <= t.hang_timeout < t.pg_timeout:
+            raise ConfigError(f"--hang-timeout {t.hang_timeout:g} must be at least 0 (0: off) and below --pg-timeout "
+                              f"{t.pg_timeout:g}, which fails a waiting collective first")
+        if t.straggler_threshold != 0 and not t.straggler_threshold > 1:
+            raise ConfigError(f"--straggler-threshold {t.straggler_threshold:g} must be above 1 (a factor of the "
+                              "median busy time), or 0 (off)")
         if t.warmup < 0 or t.max_norm < 0 or t.lr <= 0:
             raise ConfigError(f"--warmup and --max-norm must be >= 0 and --lr > 0 (got {t.warmup}, {t.max_norm}, "
                               f"{t.lr})")

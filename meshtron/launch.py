@@ -93,8 +93,8 @@ def run_script(path: str, *argv: str) -> None:
         _forget_meshtron()
         os._exit(_run_as_main(path, argv))
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a terminal's ^C reaches the script itself
-    for sig in (signal.SIGTERM, signal.SIGHUP):    # the agent's stop
-        signal.signal(sig, lambda s, _: os.kill(pid, s))
+    for sig in (signal.SIGTERM, signal.SIGHUP):    # the agent's stop, and a stopped rank's end: SIGCONT lets
+        signal.signal(sig, lambda s, _: (os.kill(pid, s), os.kill(pid, signal.SIGCONT)))   # it take the signal
     code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     if code < 0:                                   # ended by a signal: end by the same one
         with contextlib.suppress(OSError, ValueError):   # SIGKILL's action is the default already

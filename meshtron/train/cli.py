@@ -19,7 +19,8 @@ prints `holding the save of step N` (a kill during the write, deterministically)
 MESHTRON_FREE_MEMORY_GIB=X stands in for the device's free memory that --layout auto reads
 (meshtron.train.planned),
 MESHTRON_TRIAL_FAIL=K:R fails its trial K (from 1) on rank R before the trial's second step, the
-failed process staying as a GPU's may to NCCL (meshtron.train.trial).
+failed process staying as a GPU's may to NCCL (meshtron.train.trial); MESHTRON_SLOW_RANK and
+MESHTRON_HANG make a straggler and a hang (meshtron.train.faults).
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ import threading
 from meshtron.command_line import LAYOUT_TRIALS
 from meshtron.config import Config, ConfigError
 from meshtron.models import presets
-from meshtron.train.lifetime import init_process_group, one_line_errors
+from meshtron.train import faults
+from meshtron.train.lifetime import elastic_hint, init_process_group, one_line_errors
 
 
 def _env_int(name: str) -> int | None:
@@ -92,7 +94,10 @@ def main(argv=None, *, description: str | None = None, exit_after: int | None = 
         return []
     world = _env_int("WORLD_SIZE")
     if world is not None:   # the launcher's (or one_line_errors' world of one); the Trainer checks again
-        config.validate(world)
+        try:
+            config.validate(world)
+        except ConfigError as e:
+            raise ConfigError(f"{e}{elastic_hint(str(e), args.layout)}") from None
     # torch only now, with the flags checked: its import takes seconds on every rank
     import torch.distributed as dist
 
@@ -108,9 +113,15 @@ def main(argv=None, *, description: str | None = None, exit_after: int | None = 
         if exit_after is None:
             exit_after = _env_int("MESHTRON_EXIT_AFTER")
         trainer = Trainer(config)
+        rank = dist.get_rank()
         try:
-            losses = trainer.train(exit_after=exit_after, on_step=_crash_hook(dist.get_rank()),
-                                   before_publish=_hold_hook(dist.get_rank()))
+            losses = trainer.train(exit_after=exit_after,
+                                   on_step=faults.on_step(_crash_hook(rank), faults.slow(rank), faults.hang(rank)),
+                                   before_publish=_hold_hook(rank))
+        except Exception as e:
+            if trainer.watchdog is not None:   # a peer gone: one line and exit; else the error as it came
+                trainer.watchdog.lost_peer(e)
+            raise
         finally:
             trainer.close()
     except BaseException as e:

@@ -163,6 +163,13 @@ def init_process_group(timeout_s: float) -> None:
     if dist.is_initialized():
         return
     backend = "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        # NCCL's flight recorder: the last collectives of every group, which a hung job's ranks dump
+        # (meshtron/train/watchdog.py), with each one's duration, the stragglers' time in collectives
+        # (stragglers.py). Read when a group starts; off by default in some torch versions. Yours win.
+        if "TORCH_FR_BUFFER_SIZE" not in os.environ:
+            os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+        os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")
     timeout = datetime.timedelta(seconds=timeout_s)
     if not under_torchrun():
         if os.environ.get("WORLD_SIZE", "1") == "1":
@@ -248,6 +255,32 @@ def _read(fd: int) -> dict | None:
         return None
 
 
+def elastic_hint(message: str, layout: str | None) -> str:
+    """What to add to a layout that does not fit the world (`message`) in an elastic job: an attempt's
+    world may be smaller than the first's (torchrun --nnodes MIN:MAX with --max-restarts, a node lost),
+    and only --layout auto plans for the world each attempt gets."""
+    if layout == "auto" or "the world size" not in message or not under_torchrun():
+        return ""
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if attempt == 0 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) == 0:
+        return ""
+    return (f"; this is attempt {attempt + 1} of a job torchrun restarts (--max-restarts), whose world can change "
+            "between attempts (--nnodes MIN:MAX, a node lost): --layout auto plans the layout for the world each "
+            "attempt gets, and resumes the checkpoint resharded into it")
+
+
+def write_error_file(message: str) -> bool:
+    """Write `message` to torchrun's error file for this worker, where there is one: torchrun's summary
+    then shows it instead of a pointer to its docs, and meshtron-run's closing line carries it. Returns
+    whether the launcher will print it (meshtron-run's workers then print nothing themselves)."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file:
+        return False
+    with open(error_file, "w") as f:
+        json.dump({"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+    return bool(os.environ.get(LAUNCHER_SAYS_ERRORS))
+
+
 def one_line_errors(fn, *args, **kwargs) -> None:
     """A recipe's entry point: fn(*args, **kwargs) in a world of one without torchrun;
     a problem of the user's (ValueError, OSError, KeyError) is one line on stderr,
@@ -265,11 +298,7 @@ def one_line_errors(fn, *args, **kwargs) -> None:
             # every rank found it: rank 0 reports it and fails the job, so torchrun's
             # summary names one failure, with this message, not one per rank
             os._exit(0)
-        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-        if error_file:   # torchrun's summary then shows this line instead of a pointer to its docs
-            with open(error_file, "w") as f:
-                json.dump({"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
-        if not (error_file and os.environ.get(LAUNCHER_SAYS_ERRORS)):   # else the job's one line is the launcher's
+        if not write_error_file(message):   # else the job's one line is the launcher's
             print(message if rank == 0 else f"[rank {rank}] {message}", file=sys.stderr, flush=True)
         os._exit(1)   # skip the process group's teardown, which would wait for ranks that already left
     import torch.distributed as dist  # loaded already by a run that got this far

@@ -48,6 +48,8 @@ from meshtron.train.loss import IGNORE_INDEX, forward_kwargs
 from meshtron.train.metrics import RunLog, Throughput, peak_memory_gib
 from meshtron.train.optim import build_optimizer, plan_again, warmup_cosine
 from meshtron.train.step import _value, gradients, layout_loss, micro_batch_loss, moe_end_step
+from meshtron.train.stragglers import Stragglers
+from meshtron.train.watchdog import Progress, Watchdog
 
 # the settings a checkpoint's learning-rate schedule and AdamW groups were made with (TrainingConfig's)
 SCHEDULE = ("steps", "warmup", "lr", "min_lr_ratio", "weight_decay")
@@ -66,6 +68,8 @@ class Trainer:
         self.lock: DirectoryLock | None = None
         self.run_log: RunLog | None = None
         self.saver: BackgroundSaver | None = None
+        self.progress = Progress()   # where the loop is, for the watchdog and the stragglers (watchdog.py)
+        self.watchdog: Watchdog | None = None
         try:
             self._set_up(verbose)
         except BaseException:
@@ -75,6 +79,8 @@ class Trainer:
     def close(self) -> None:
         """Wait for a background save and stop its writer process, release the checkpoint
         directory and close the run's logs; safe to repeat."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
         try:
             if self.saver is not None:
                 writing = self.saver.in_flight
@@ -302,6 +308,7 @@ class Trainer:
             cuda_graphs.step_begin()
         loss, norm = gradients(self.parts, x, y, self.mesh, self.pipeline, self.config, self.microbatches,
                                self.loss_fn, inputs)
+        self.progress.at("optimizer")
         self.optimizer.step()
         if self.config.parallel.fp8 == "tensorwise":   # the next all-gathers' fp8 scales, in one all-reduce
             precompute_scales(self.parts)
@@ -377,6 +384,7 @@ class Trainer:
 
     def _saved(self, path: str | None) -> None:
         if path is not None:
+            self.progress.saved = checkpoint.step_of(path)
             self.log(f"saved checkpoint {path}")
 
     def train(self, exit_after: int | None = None, on_step=None, before_publish=None) -> list[float]:
@@ -398,14 +406,24 @@ class Trainer:
                  f"tokens, {self.microbatches} micro-batch{'es' if self.microbatches != 1 else ''} of "
                  f"{tr.micro_batch} | {self.loader.n_samples} samples"
                  + masked)
+        self.progress.saved = self.start if self.resume_from else None
+        self.stragglers = Stragglers(tr.straggler_threshold, self.device)
+        self.watchdog = Watchdog(self.progress, hang_timeout=tr.hang_timeout, pg_timeout=tr.pg_timeout,
+                                 checkpoint_dir=ck.checkpoint_dir, metrics_file=tr.metrics_file,
+                                 resume_auto=ck.resume == "auto",
+                                 # a background save's waits have the saver's own bound, --pg-timeout
+                                 unarmed=("checkpoint",) if ck.checkpoint_async else ())
+        self.watchdog.start()
         losses, t_start = [], time.perf_counter()
         self.step_s = []   # each step's own seconds, evaluation and saves left out: what the planner's lines time
         last = min(tr.steps, self.start + exit_after) if exit_after else tr.steps
         for step in range(self.start + 1, last + 1):
+            self.progress.at("data loading", step)
             if on_step is not None:
                 on_step(step)
             t_step = time.perf_counter()
             x, y, inputs = self.next_batch()
+            self.progress.at("forward/backward")
             loss, norm = self.step(x, y, inputs)
             # this rank's samples stand for the global batch's: no collective for a log figure
             meter.add(self.global_batch * tr.seq_len,
@@ -414,6 +432,8 @@ class Trainer:
             if step == self.start + 1:   # the state is whole after a step
                 self.prepare_saves()
             if step % tr.log_interval == 0 or step == tr.steps or step == self.start + 1:
+                self.progress.at("logging")
+                self.stragglers.interval(self.progress, step, self.log)
                 self._report(step, float(losses[-1]), float(norm), meter.report(), time.perf_counter() - t_start)
             evaluating = self.eval_loader is not None and (step % c.data.eval_interval == 0 or step == tr.steps)
             saving = bool(ck.checkpoint_dir) and (step % ck.checkpoint_interval == 0 or step == tr.steps)
@@ -422,14 +442,17 @@ class Trainer:
                 torch.cuda.synchronize(self.device)
             self.step_s.append(time.perf_counter() - t_step)
             if evaluating:
+                self.progress.at("evaluation")
                 eval_loss = self.evaluate()
                 self.run_log.record(step, {"eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 80))},
                                     f"eval {step:>6}/{tr.steps} | loss {eval_loss:.4f} | ppl "
                                     f"{math.exp(min(eval_loss, 80)):.2f}")
             if saving:
+                self.progress.at("checkpoint")
                 self.save_checkpoint(step, before_publish)
             elif self.saver is not None:
                 self._saved(self.saver.poll())
+        self.progress.at("finishing")   # not watched: the export, the last save's wait
         if ck.export_hf:   # no transformers class has meshtron's MoE block: those keep meshtron's names
             hf.export_safetensors(self.parts, ck.export_hf, mc, None if getattr(mc, "moe", None) else self.spec.hf)
             # a token file's --tokenizer is the one that made its ids; without one its tokenizer is unknown
@@ -468,6 +491,7 @@ class Trainer:
         """What the run did and what it left behind, in one line; `waited`: _finish_saves'."""
         c, done = self.config, last - self.start
         final = f"final loss {float(losses[-1]):.4f}" if losses else "no step run"
+        final += self.stragglers.summary()
         wrote = [f"checkpoints in {c.checkpoint.checkpoint_dir}{waited}" if c.checkpoint.checkpoint_dir else
                  "no checkpoint (--checkpoint-dir)"]
         if c.training.metrics_file:
