@@ -27,6 +27,35 @@ torch.set_num_threads(1)
 from harness import Pools  # noqa: E402
 
 
+@pytest.hookimpl(tryfirst=True)   # before -m selects, so that the slow marks added here count
+def pytest_collection_modifyitems(config, items):
+    """The fast tier (`-m "not slow"`): a parametrized test marked fast_cases(*ids, **params) runs
+    there only the cases named, by id or by parameter values (a tuple: any of them); its other
+    cases are marked slow. A named id that is none of the test's cases is an error (a renamed case
+    would otherwise leave the fast tier unnoticed), unless the command line picked cases itself."""
+    cases = {}
+    for item in items:
+        mark = item.get_closest_marker("fast_cases")
+        if mark is None or not hasattr(item, "callspec"):
+            continue
+        spec = item.callspec
+        fast = spec.id in mark.args or bool(mark.kwargs) and all(
+            spec.params.get(k) in (v if isinstance(v, tuple) else (v,)) for k, v in mark.kwargs.items())
+        if not fast:
+            item.add_marker(pytest.mark.slow)
+        mark, ids, fast_ids = cases.setdefault((item.path, item.originalname), (mark, set(), set()))
+        ids.add(spec.id)
+        if fast:
+            fast_ids.add(spec.id)
+    if any("[" in arg for arg in config.args):
+        return
+    for (path, name), (mark, ids, fast_ids) in cases.items():
+        unknown = [i for i in mark.args if i not in ids]
+        if unknown or not fast_ids:
+            raise pytest.UsageError(f"{path.name}::{name}: fast_cases {list(mark.args)} {mark.kwargs} name "
+                                    f"{'unknown cases ' + str(unknown) if unknown else 'none'} of {sorted(ids)}")
+
+
 @pytest.fixture(scope="session")
 def pools():
     p = Pools()

@@ -76,6 +76,7 @@ def _fresh_load(path: str):
     return model, optimizer, step
 
 
+@pytest.mark.slow
 def test_an_async_save_equals_a_blocking_one_and_resumes_exactly(pools, tmp_path):
     sync, asy, resumed = (str(tmp_path / d) for d in ("sync", "async", "resumed"))
     straight = run(pools, "dp2-zero3")
@@ -104,6 +105,7 @@ def test_an_async_save_equals_a_blocking_one_and_resumes_exactly(pools, tmp_path
 
 
 @pytest.mark.parametrize("layout", ["pp2", "tp2-sp"])
+@pytest.mark.fast_cases("pp2")
 def test_async_saves_resume_exactly_under_other_layouts(pools, tmp_path, layout):
     # a pipeline rank saves its stages (the tied weight's copy under its first name), TP its shards
     straight = run(pools, layout)
@@ -243,6 +245,7 @@ def _a_hung_writer(rank, world, root, close_only):
 
 
 @pytest.mark.parametrize("close_only", [False, True])
+@pytest.mark.fast_cases(close_only=False)
 def test_a_writer_that_hangs_is_stopped_after_the_timeout(pools, tmp_path, close_only):
     raised, alive, complete = pools.run(1, _a_hung_writer, str(tmp_path), close_only)[0]
     assert raised is not None and "\n" not in raised, raised
@@ -507,6 +510,7 @@ def _name(pid: int) -> str | None:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads worker pids from /proc")
+@pytest.mark.slow
 def test_a_job_killed_while_a_save_is_written_resumes_from_the_previous_one_exactly(pools, tmp_path):
     # the write of step 6 is held (MESHTRON_HOLD_SAVE_AT_STEP) once every rank's shards are on disk,
     # before the rename; the loop trains on to step 9, whose save waits for it; then the job is killed

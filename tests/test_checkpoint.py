@@ -55,6 +55,7 @@ def dp2_tp2_run(pools, tmp_path_factory):
 
 
 @pytest.mark.parametrize("target", ["tp4", "dp4-zero1", "pp2-dp2", "single"])
+@pytest.mark.fast_cases("single", "pp2-dp2")
 def test_resharding_on_load(pools, tmp_path, dp2_tp2_run, target):
     straight, saved = dp2_tp2_run
     shutil.copytree(saved, tmp_path / "ck")
@@ -135,6 +136,7 @@ def test_bad_checkpoints_fail_clearly_and_nothing_is_overwritten(pools, tmp_path
         checkpoint.save(str(tmp_path), 3, [model], torch.optim.AdamW(model.parameters()))
 
 
+@pytest.mark.slow
 def test_fault_recovery_under_max_restarts(pools, tmp_path):
     """Rank 1 dies at step 5; the agent (meshtron-run's, torchrun's) restarts the job, whose ranks
     are forked again from the same server and resume from step 4."""
@@ -448,6 +450,7 @@ def _hf_configs_save_and_resume(rank, world, root, arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+@pytest.mark.fast_cases("gpt2")
 def test_a_saved_transformers_config_saves_resumes_and_refuses_another(pools, tmp_path, arch):
     pytest.importorskip("transformers")
     resumed, refusal = pools.run(1, _hf_configs_save_and_resume, str(tmp_path), arch)[0]

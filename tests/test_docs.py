@@ -181,6 +181,7 @@ def run_params():
 
 
 @pytest.mark.parametrize("block", list(run_params()))
+@pytest.mark.slow
 def test_block_runs(block: Block, workdirs):
     cwd = workdirs(block.page)
     path = [d for d in os.environ["PATH"].split(os.pathsep) if os.path.abspath(d) != BIN]

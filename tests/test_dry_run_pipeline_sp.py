@@ -37,6 +37,8 @@ def _layouts():
 
 @pytest.mark.parametrize("world,argv", list(_layouts()), ids=lambda v: " ".join(v).replace("--", "")
                          if isinstance(v, list) else str(v))
+@pytest.mark.fast_cases("4-model tiny pp 2 tp 2 dp 1 sp pp-schedule 1f1b global-batch 4 micro-batch 1 dtype fp32 "
+                        "seq-len 16")
 def test_the_dry_runs_collectives_equal_the_planners_under_pipeline_tp_and_sp(world, argv):
     # the dry run's own resolution: the run it stands for is a GPU one
     config = Config.from_args(argv + ["--steps", "1", "--max-norm", "1.0"], models=PRESETS).on_device("cuda")

@@ -156,6 +156,7 @@ def _run_recipe(args, nproc=None, env=None, launcher="torch.distributed.run"):
                           text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_the_recipe_prints_one_line_once_and_exits_non_zero():
     # issue 11, point 11: one process, then 4 ranks under torchrun
     out = _run_recipe(TINY + ["--tp", "2", "--sp"])
@@ -177,6 +178,7 @@ def test_the_recipe_prints_one_line_once_and_exits_non_zero():
 @pytest.mark.parametrize("bad,message", [
     (["--zero", "4"], "error: argument --zero: invalid choice: 4 (choose from 0, 1, 2, 3) (see --help)"),
     (["--steps", "two"], "error: argument --steps: invalid int value: 'two' (see --help)")])
+@pytest.mark.slow
 def test_a_command_line_mistake_under_the_launcher_is_one_line_once(bad, message):
     # issue 36, point 1: not argparse's usage block on every rank and a summary that names nothing. The
     # README's launcher, meshtron-run (torchrun's agent), ends in one line naming the failure; plain

@@ -52,6 +52,7 @@ def _import_generate_export(rank, world, path, out):
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.fast_cases("gpt2")
 def test_transformers_round_trip_at_tp2(pools, tmp_path, kind):
     theirs, their_greedy = save_tiny(kind, str(tmp_path / "hf"))
     logits, greedy = pools.run(2, _import_generate_export, str(tmp_path / "hf"), str(tmp_path / "out"))[0]

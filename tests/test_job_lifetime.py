@@ -93,6 +93,7 @@ def _wait_for_line(path, text: str, proc) -> None:
 # ---- point 2: workers die with their agent --------------------------------------------
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads worker pids from /proc")
+@pytest.mark.slow
 def test_workers_die_with_a_killed_agent_and_the_job_resumes_exactly(pools, tmp_path):
     # --steps far beyond what runs: workers that outlived the agent would still be training at the
     # deadline; the resumed job stops after a few steps (MESHTRON_EXIT_AFTER), the schedule unchanged
@@ -231,6 +232,7 @@ def test_a_held_directory_is_refused_and_taken_over_once_its_holder_died(pools, 
 
 # ---- point 4: a one-process run needs no port -----------------------------------------
 
+@pytest.mark.slow
 def test_two_one_process_runs_at_once_both_train(tmp_path):
     log = tmp_path / "first.log"
     with open(log, "w") as out:

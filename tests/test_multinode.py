@@ -40,6 +40,7 @@ def two_nodes(flags, metrics, launcher):
                            "torch.distributed.run"),
                           (["--dp", "4", "--hsdp", "2", "--zero", "3", "--micro-batch", "2"], "meshtron.launch")],
                          ids=["dp2-across-nodes-x-tp2-inside", "hsdp-replicas-across-nodes"])
+@pytest.mark.slow
 def test_two_nodes_meet_at_one_rendezvous(pools, tmp_path, flags, launcher):
     losses = two_nodes(flags, str(tmp_path / "m.jsonl"), launcher)
     one = pools.run(1, train, ARGS + ["--micro-batch", "8"])[0]

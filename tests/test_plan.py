@@ -122,12 +122,14 @@ def played(world: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def dry_runs():
+def dry_runs(request):
     """(world, argv) -> {rank: [state bytes, collectives]} for the `played` ranks of every
-    layout below (meshtron.planner.dry_run), from one process started at once and running
-    beside the real runs."""
+    layout below that this session tests (the fast tier: a few; meshtron.planner.dry_run),
+    from one process started at once and running beside the real runs."""
+    tested = {(item.callspec.params["world"], tuple(item.callspec.params["argv"])) for item in request.session.items
+              if "dry_runs" in getattr(item, "fixturenames", ()) and hasattr(item, "callspec")}
     layouts = [(w, a + ARGS, played(w)) for table in (LAYOUTS, DRY_ONLY) for w, group in table.items()
-               for a in group]
+               for a in group if (w, tuple(a)) in tested]
     # two processes, half the layouts each: a dry run is one thread, and the machine has two cores
     halves = [layouts[0::2], layouts[1::2]]
     procs = [subprocess.Popen([sys.executable, "-c", _DRY_RUN, json.dumps(half)], cwd=ROOT, text=True,
@@ -148,6 +150,7 @@ def dry_runs():
 
 @pytest.mark.parametrize("world,argv", [(w, a) for w, layouts in LAYOUTS.items() for a in layouts],
                          ids=lambda v: " ".join(v).replace("--", "") if isinstance(v, list) else str(v))
+@pytest.mark.fast_cases(world=2)
 def test_each_ranks_state_and_collectives_equal_the_planner_and_the_dry_run(pools, dry_runs, world, argv):
     # bytes of parameters, gradients and optimizer state: measured after a real step, the
     # planner's formula, the dry run's meta build; calls and bytes per (collective, mesh axes)
@@ -170,6 +173,7 @@ def test_each_ranks_state_and_collectives_equal_the_planner_and_the_dry_run(pool
 
 @pytest.mark.parametrize("world,argv", [(w, a) for w, layouts in DRY_ONLY.items() for a in layouts],
                          ids=lambda v: " ".join(v).replace("--", "") if isinstance(v, list) else str(v))
+@pytest.mark.fast_cases(world=2)
 def test_the_planners_collectives_equal_the_dry_runs_count(dry_runs, world, argv):
     from meshtron.config import Config
     from meshtron.train.layout import resolve_layout
@@ -258,6 +262,7 @@ def test_the_planners_help_explains_every_flag_the_columns_and_calibrate(capsys)
 @pytest.mark.parametrize("argv,world,ranks", [
     ("--model llama-moe-3B --ep 8 --zero 3 --seq-len 4096", 8, [0, 7]),
 ], ids=["llama-moe-3B ep8"])
+@pytest.mark.slow
 def test_the_dry_run_command_prints_the_planners_bytes_for_large_layouts(argv, world, ranks):
     cmd = ["recipes/train.py", *argv.split(), "--dry-run", str(world), "--dry-run-ranks", ",".join(map(str, ranks))]
     out = run_script(cmd, timeout=900, cwd=ROOT)
@@ -298,6 +303,7 @@ def test_calibrate_times_the_links_collectives_the_same_on_every_rank(pools):
     assert fit[0] >= 0 and fit[1] > 0
 
 
+@pytest.mark.slow
 def test_calibrate_writes_a_file_the_planner_reads(tmp_path):
     out = tmp_path / "cal.json"
     run = run_script(["-m", "meshtron.plan", "calibrate", "--model", "tiny", "--tokens", "128", "--seq-len", "64",

@@ -130,6 +130,8 @@ CASES = [(m, o) for m in ("llama-tiny", "tiny") for o in (
 
 @pytest.mark.parametrize("name,options", CASES, ids=lambda c: c if isinstance(c, str) else
                          "-".join(f"{k}={v}" for k, v in c.items()) or "plain")
+@pytest.mark.fast_cases("llama-tiny-plain", "llama-tiny-recompute=full", "tiny-plain", "tiny-fp8=tensorwise",
+                        "llama-moe-tiny-plain")
 def test_each_layers_bytes_per_token_equal_what_autograd_keeps(pools, name, options):
     saved, alive = pools.run(1, _per_token, name, options, timeout=300)[0]
     spec, preset = models.get(name)

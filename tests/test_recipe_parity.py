@@ -44,6 +44,7 @@ def run(pools, name, tmp_path, *extra, exit_after=None, tag="", model="tiny"):
 @pytest.mark.parametrize("model,layouts", [("tiny", list(LAYOUTS)),
                                            ("llama-tiny", ["dp2 zero3", "tp2", "tp2 sp", "pp2 1f1b", "pp2 x tp2, dp1",
                                                           "dp2 x pp2 x tp2"])])
+@pytest.mark.slow
 def test_recipe_losses_do_not_depend_on_the_layout(pools, tmp_path, model, layouts):
     ref_returned, ref = run(pools, "one process", tmp_path, "--steps", "4", model=model)
     assert [ref[s]["loss"] for s in sorted(ref)] == ref_returned          # the file holds the full-precision losses
@@ -55,6 +56,7 @@ def test_recipe_losses_do_not_depend_on_the_layout(pools, tmp_path, model, layou
             assert got[s]["grad_norm"] == pytest.approx(ref[s]["grad_norm"], rel=TOL), (name, s)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_resumes_under_any_other_layout(pools, tmp_path):
     """One step under each layout in turn, each resuming the previous one's
     checkpoint: every layout saves once and loads once (dp/ZeRO, TP, SP, pipelines

@@ -15,6 +15,7 @@ def evals(path):
     return [r for r in map(json.loads, open(path)) if "eval_loss" in r]
 
 
+@pytest.mark.slow
 def test_eval_loss_is_the_same_under_every_layout(pools, tmp_path):
     held_out = tmp_path / "held_out.txt"
     held_out.write_text(open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read())

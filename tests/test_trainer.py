@@ -10,6 +10,7 @@ from harness import mesh
 from harness import train as _train
 
 
+@pytest.mark.slow
 def test_tiny_gpt_loss_falls_on_the_default_data(pools):
     argv = ["--model", "tiny", "--dp", "2", "--zero", "3", "--steps", "40", "--seq-len", "64", "--micro-batch", "4",
             "--global-batch", "16", "--lr", "3e-3", "--warmup", "5", "--log-interval", "20"]

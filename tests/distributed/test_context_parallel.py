@@ -42,6 +42,7 @@ def _parity(rank, world, model, degrees, pcfg_kwargs, batches=None):
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("cp", [2, 3, 4])
 @pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.fast_cases(cp=2)
 def test_cp_alone_matches_one_process(pools, variant, cp, model):
     assert_parity(pools.run(cp, _parity, model, dict(dp=1, cp=cp), dict(cp_comm=variant)), TOL)
 
@@ -54,6 +55,7 @@ COMPOSED = {"dp2 x cp2": (dict(dp=2, cp=2), dict(zero=3)),
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("composed", COMPOSED)
 @pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.fast_cases(model="llama")
 def test_cp_composed_matches_one_process(pools, variant, composed, model):
     degrees, extra = COMPOSED[composed]
     assert_parity(pools.run(4, _parity, model, degrees, dict(cp_comm=variant, **extra)), TOL)
@@ -190,6 +192,7 @@ def losses(path):
 
 
 @pytest.mark.parametrize("model", ["tiny", "llama-tiny"])
+@pytest.mark.fast_cases(model="llama-tiny")
 def test_recipe_loss_with_cp_equals_one_process(pools, tmp_path, model):
     pools.run(1, train, ["--model", model] + ARGS + ["--metrics-file", str(tmp_path / "one.jsonl")])
     ref = losses(tmp_path / "one.jsonl")

@@ -45,6 +45,7 @@ def _train(rank, world, argv, keep):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.fast_cases("dp2 x pp2 zero1")
 def test_kept_weights_train_the_same_in_the_same_storage(pools, layout):
     world, flags = LAYOUTS[layout]
     freed = pools.run(world, _train, TINY + flags, False)

@@ -49,12 +49,14 @@ def _report(what, worst):
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.fast_cases(world=2)
 def test_zero_stage_matches_one_process(pools, zero, world):
     _report(f"zero {zero} dp={world}", assert_parity(pools.run(world, _parity, ParallelConfig(zero=zero)),
                                                       FP32_TOL))
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
+@pytest.mark.fast_cases(zero=3)
 def test_hsdp_2x2_matches_one_process(pools, zero):
     # 2 replicas x 2 shards; 2 micro-batches, so ZeRO-2/3's once-per-step all-reduce
     # across replicas (set_requires_all_reduce) is covered too
@@ -91,6 +93,7 @@ CLIP_CASES = {"zero3-dp4": (ParallelConfig(zero=3), {"dp": 4}),
 
 
 @pytest.mark.parametrize("case", CLIP_CASES)
+@pytest.mark.fast_cases("zero3-dp4")
 def test_clipping_by_global_norm_matches_one_process(pools, case):
     pcfg, degrees = CLIP_CASES[case]
     max_norm = 0.05
@@ -272,6 +275,7 @@ COMM_CASES = {  # 4 micro-batches at dp=4: per kind, (count in each micro-batch,
 
 
 @pytest.mark.parametrize("case", COMM_CASES)
+@pytest.mark.fast_cases("zero0", "zero1", "zero2", "zero3")
 def test_collectives_per_micro_batch(pools, case):
     hsdp = 2 if case.startswith("hsdp") else 1
     pcfg = ParallelConfig(zero=int(case[-1]), hsdp=hsdp)
@@ -316,6 +320,7 @@ BF16_ROUNDOFF = 2.0 ** -8
 
 @pytest.mark.parametrize("reduce_dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("world,zero", [(2, 3), (4, 1)])
+@pytest.mark.fast_cases(world=2)
 def test_bf16_training_matches_one_process_within_bf16_error(pools, world, zero, reduce_dtype):
     """Tolerance, per metric: max(twice what bf16 compute costs one process,
     measured here on the same model, data and metrics; bf16's unit roundoff 2^-8).
@@ -343,6 +348,7 @@ def test_bf16_training_matches_one_process_within_bf16_error(pools, world, zero,
 # ---- 2-D: FSDP over dp on top of TP over tp ---------------------------------------------
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.fast_cases(zero=3)
 def test_fsdp_over_tp_with_sp_matches_one_process(pools, zero):
     # torchtitan's order (parallelize: TP first, FSDP last): dp=2 x tp=2, sequence
     # parallel, loss parallel, 2 micro-batches, clipping active

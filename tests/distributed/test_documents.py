@@ -202,6 +202,7 @@ GPT_LAYOUTS = ("tp2 sp", "pp2", "cp2 a2a")
 
 
 @pytest.mark.parametrize("model,name", [("llama", n) for n in LAYOUTS] + [("gpt", n) for n in GPT_LAYOUTS])
+@pytest.mark.fast_cases("llama-dp2", "llama-tp2 sp", "llama-pp2", "llama-cp2 a2a")
 def test_packed_under_a_layout_equals_one_by_one(pools, model, name):
     world, degrees, extra = LAYOUTS[name]
     if model == "gpt" and degrees.get("cp", 1) > 1:   # learned positions under cp: refused (test below)
@@ -218,6 +219,7 @@ def test_rotary_models_take_per_document_positions_without_the_mask(pools, model
         assert loss < TOL and grad < TOL and moved > 1e-3, (name, loss, grad, moved)
 
 
+@pytest.mark.slow
 def test_compiled_blocks_take_the_mask(pools):
     # the mask is an input of every compiled block (a BlockMask on GPUs, here the dense one)
     loss, grad, n = pools.run(1, _packed_vs_one_by_one, "llama", dict(dp=1), dict(compile=True), timeout=600)[0]
@@ -346,6 +348,7 @@ def test_the_recipes_documents_hold_several_per_sample_and_each_flag_moves_the_l
 @pytest.mark.parametrize("flags,world", [(["--dp", "2"], 2), (["--pp", "2"], 2), (["--cp", "2", "--cp-comm", "a2a"], 2),
                                          (["--dp", "2", "--tp", "2", "--sp"], 4)],
                          ids=["dp2", "pp2", "cp2-a2a", "dp2xtp2-sp"])
+@pytest.mark.fast_cases("pp2")
 def test_recipe_losses_with_document_masks_equal_one_process(pools, tmp_path, one_process_losses, short_documents,
                                                              flags, world):
     many = _metrics(pools, world, ARGS + FLAGS + ["--data", short_documents] + flags, tmp_path / "m.jsonl")

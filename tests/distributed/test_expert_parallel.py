@@ -75,12 +75,15 @@ LAYOUTS = {"ep2": (2, dict(dp=1, ep=2), None),
 
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.fast_cases("ep2-gpt", "ep2-llama", "ep2 recompute-llama", "ep2 exact-gpt", "dp2 x ep2-llama",
+                        "pp2 x ep2-llama")
 def test_moe_layouts_match_one_process(pools, name, model):
     world, degrees, extra = LAYOUTS[name]
     assert_parity(pools.run(world, _parity, model, degrees, extra, timeout=300), TOL)
 
 
 @pytest.mark.parametrize("model", MODELS)
+@pytest.mark.slow
 def test_an_ep_rank_that_receives_no_tokens(pools, model):
     # experts 6 and 7 (ep rank 3's at ep=4) are never chosen: that rank's experts get
     # no rows, its backward must still run the all-to-alls and FSDP's reduction (dp2);
@@ -89,6 +92,7 @@ def test_an_ep_rank_that_receives_no_tokens(pools, model):
         assert_parity(pools.run(world, _parity, model, degrees, None, None, 3, (6, 7), timeout=300), TOL)
 
 
+@pytest.mark.slow
 def test_capacity_drops_the_same_tokens_at_every_ep_degree(pools):
     # a capacity factor of 1 with top-2 over 8 experts drops copies every step; the
     # drops are decided over every rank's tokens, so ep=2 and ep=4 match one process
@@ -142,6 +146,7 @@ def _device_grouped_mm(x, w, counts):
 
 
 @pytest.mark.parametrize("model", MODELS)
+@pytest.mark.fast_cases(model="llama")
 def test_the_padded_dispatch_equals_the_exact_one(pools, model):
     # one MoE block at ep=2 and ep=4 (where rank 3 receives no tokens): the same output and
     # gradients as the exact dispatch's, to the bit with the CPU's grouped GEMM; at ep=2 also
@@ -309,6 +314,7 @@ INVARIANT = ["--model", "llama-moe-tiny", "--seq-len", "32", "--steps", "6", "--
              "--warmup", "2", "--log-interval", "1"]
 
 
+@pytest.mark.slow
 def test_moe_losses_do_not_depend_on_the_layout_or_the_micro_batches(pools, tmp_path):
     # one process, dp2, ep2, dp2 x ep2 and ep2 x tp2 + SP, each cutting its share of the 8
     # sequences into one and into two micro-batches: the same loss, aux loss and router load
@@ -346,6 +352,7 @@ def test_capacity_shows_its_dropped_fraction(pools, tmp_path):
     assert all(0 < r["dropped_fraction"] < 0.5 for r in rows), rows
 
 
+@pytest.mark.slow
 def test_resume_at_another_ep_degree(pools, tmp_path):
     # 2 steps at ep=2 on 2 ranks, then steps 3-4 at ep=4 on 4 ranks and at dp=2 (ep=1):
     # the losses equal an uninterrupted 4-step run at ep=2 (same global batch)
@@ -359,6 +366,7 @@ def test_resume_at_another_ep_degree(pools, tmp_path):
         assert resumed == pytest.approx(straight[2:], rel=1e-5), (argv, resumed, straight)
 
 
+@pytest.mark.slow
 def test_export_at_ep2_equals_dp2_and_reads_back(pools, tmp_path):
     from safetensors.torch import load_file
 

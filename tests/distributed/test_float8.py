@@ -116,6 +116,9 @@ def _flip_noise(rank, world, recipe, cfg):
 
 
 @pytest.mark.parametrize("name,recipe", [(n, "tensorwise") for n in LAYOUTS] + [(n, "rowwise") for n in ROWWISE])
+@pytest.mark.fast_cases("one process-tensorwise", "one process-rowwise", "one process, selective recompute-tensorwise",
+                        "dp2 zero3 (fp8 all-gather)-tensorwise", "dp2 x tp2 sp-tensorwise", "pp2-tensorwise",
+                        "MoE ep2 (dense parts FP8)-tensorwise")
 def test_fp8_layouts_match_one_fp8_process(pools, name, recipe):
     """Within TOL, or, where the layout sums gradients (or, under tp, activations) in
     another order than one process, which moves rounding-boundary elements by an fp8
@@ -238,6 +241,7 @@ def _resume_across_precisions(rank, world, directory, export):
     return plain.start, again.start, all(same), all(same_back), losses, _weights(again)
 
 
+@pytest.mark.slow
 def test_fp8_checkpoints_resume_in_high_precision_and_back(pools, tmp_path):
     out = pools.run(2, _resume_across_precisions, str(tmp_path / "ck"), str(tmp_path / "hf"), timeout=300)
     start_plain, start_fp8, same, same_back, losses, weights = out[0]
@@ -260,6 +264,7 @@ def test_fp8_checkpoints_resume_in_high_precision_and_back(pools, tmp_path):
 COMPILE_TOL = 1e-2
 
 
+@pytest.mark.slow
 def test_compiled_fp8_blocks_match_eager_fp8(pools):
     reports = pools.run(1, _parity, dict(dp=1), "tensorwise", dict(compile=True), timeout=600)
     worst = assert_parity(reports, COMPILE_TOL)

@@ -76,6 +76,7 @@ CASES = [  # (world, mesh, parallel config, tied head, pipeline)
 @pytest.mark.parametrize("world,degrees,pcfg,tied,pipelined", CASES,
                          ids=[f"{'x'.join(f'{k}{v}' for k, v in c[1].items())}-{'sp-' if c[2].get('sp') else ''}"
                               f"{'tied' if c[3] else 'untied'}" for c in CASES])
+@pytest.mark.fast_cases("dp1xtp2-tied", "dp2-tied", "dp1xpp2-tied")
 def test_fused_loss_matches_one_plain_process(pools, world, degrees, pcfg, tied, pipelined):
     report = assert_parity(pools.run(world, _parity, degrees, pcfg, tied, pipelined, timeout=300), tol=1e-5)
     print(f"worst: loss {report.loss:.2e} grad {report.grad:.2e} param {report.param:.2e}")
@@ -89,6 +90,7 @@ def _rows(path):
     return [json.loads(line) for line in open(path)]
 
 
+@pytest.mark.slow
 def test_recipe_with_fused_loss_matches_the_unfused_one_process(pools, tmp_path):
     """--fused-loss through the trainer (the model's forward with return_hidden, the
     pipeline's last stage shapes and kwargs, evaluation) gives the unfused one

@@ -51,5 +51,6 @@ CASES = [  # (world, mesh, parallel config, micro-batches, pipeline schedule)
 @pytest.mark.parametrize("world,degrees,pcfg,micro,schedule", CASES,
                          ids=[f"{'x'.join(f'{k}{v}' for k, v in c[1].items())}-m{c[3]}-{c[4] or 'nopp'}"
                               for c in CASES])
+@pytest.mark.fast_cases("dp1-m4-nopp", "dp2-m1-nopp", "dp1xtp2-m2-nopp", "dp1xpp2-m4-1f1b")
 def test_unevenly_ignored_tokens_match_one_process(pools, world, degrees, pcfg, micro, schedule):
     assert_parity(pools.run(world, _parity, degrees, pcfg, micro, schedule), tol=1e-5)

@@ -56,6 +56,7 @@ def _local_parity(rank, world, degrees, sp, pp, overlap=False):
     (2, dict(tp=2), False, False), (2, dict(tp=2), True, False), (4, dict(tp=4), True, False),
     (4, dict(dp=2, tp=2), True, False), (4, dict(pp=2, tp=2), True, True), (4, dict(pp=2, tp=2), False, True)],
     ids=["tp2", "tp2-sp", "tp4-sp", "dp2xtp2-sp-zero3", "pp2xtp2-sp", "pp2xtp2"])
+@pytest.mark.fast_cases("tp2", "tp2-sp", "pp2xtp2-sp")
 def test_local_blocks_match_one_process(pools, world, degrees, sp, pp):
     results = pools.run(world, _local_parity, degrees, sp, pp)
     assert all(used == [True] for _, used in results), "the dense Llama did not take the local-tensor blocks"
@@ -65,6 +66,7 @@ def test_local_blocks_match_one_process(pools, world, degrees, sp, pp):
 @pytest.mark.parametrize("world,degrees,sp,pp", [
     (2, dict(tp=2), False, False), (2, dict(tp=2), True, False), (4, dict(dp=2, tp=2), True, False),
     (4, dict(pp=2, tp=2), True, True)], ids=["tp2", "tp2-sp", "dp2xtp2-sp-zero3", "pp2xtp2-sp"])
+@pytest.mark.fast_cases("tp2", "tp2-sp")
 def test_overlapped_blocks_match_one_process(pools, world, degrees, sp, pp):
     results = pools.run(world, _local_parity, degrees, sp, pp, True)
     assert_parity([r for r, _ in results], tol=1e-5)
@@ -177,6 +179,7 @@ def _step_cost(rank, world, sp, local, overlap=False):
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["nosp", "sp"])
+@pytest.mark.fast_cases("sp")
 def test_local_blocks_move_the_same_bytes_with_a_fraction_of_the_host_calls(pools, sp):
     (stock, stock_calls, stock_bytes), _ = pools.run(2, _step_cost, sp, False)
     (local, local_calls, local_bytes), _ = pools.run(2, _step_cost, sp, True)
@@ -238,6 +241,7 @@ def _overlapped_block_compiled(rank, world):
     return max((a - b).abs().max().item() for a, b in zip(eager, compiled)), opaque
 
 
+@pytest.mark.slow
 def test_overlapped_block_compiles(pools):
     """Compiled (inductor, on the CPU here), the overlapped backward stays one op, whose
     order inductor's scheduler cannot change, and gives the eager numbers."""
@@ -253,6 +257,7 @@ def test_tp_overlap_with_sp_and_cp_is_refused_in_one_line():
                          models=PRESETS).validate(world_size=4)
 
 
+@pytest.mark.slow
 def test_a_compiled_tp2_sp_run_matches_the_eager_one(pools):
     """--compile with the local blocks: the embedding's reduce-scatter crosses into the first
     compiled block; it must arrive waited (VocabParallel), since torch 2.13's compiled

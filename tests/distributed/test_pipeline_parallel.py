@@ -55,6 +55,9 @@ CASES = [  # (mesh, schedule, virtual stages, micro-batches, parallel config)
 
 @pytest.mark.parametrize("degrees,schedule,v,m,pcfg", CASES,
                          ids=[f"{'x'.join(f'{k}{v}' for k, v in c[0].items())}-{c[1]}-v{c[2]}-{c[4]}" for c in CASES])
+@pytest.mark.fast_cases("dp1xpp2-gpipe-v1-{}", "dp1xpp2-1f1b-v1-{}", "dp1xpp2-interleaved-1f1b-v2-{}",
+                        "dp1xpp2-zero-bubble-v2-{}", "dp1xpp2-zbv-v2-{}", "dp2xpp2-1f1b-v1-{'zero': 1}",
+                        "dp2xpp2-zbv-v2-{'zero': 2}")
 def test_pipeline_parity(pools, degrees, schedule, v, m, pcfg):
     world = 1
     for d in degrees.values():
@@ -69,6 +72,7 @@ TIED = gpt_config("tiny", n_layers=8, tie_embeddings=True)
 @pytest.mark.parametrize("degrees,schedule,v", [(dict(dp=1, pp=2), "1f1b", 1),
                                                 (dict(dp=1, pp=4), "interleaved-1f1b", 2),
                                                 (dict(dp=1, pp=2), "zbv", 2), (dict(dp=2, pp=2), "1f1b", 1)])
+@pytest.mark.fast_cases("degrees0-1f1b-1", "degrees2-zbv-2")
 def test_pipeline_parity_with_tied_embeddings(pools, degrees, schedule, v):
     # the first stage's embedding and the last stage's head are one weight: their grads are summed
     world = degrees["dp"] * degrees["pp"]
@@ -76,6 +80,7 @@ def test_pipeline_parity_with_tied_embeddings(pools, degrees, schedule, v):
     assert_parity(pools.run(world, _pp_parity, degrees, schedule, v, 4, pcfg, TIED), tol=1e-5)
 
 
+@pytest.mark.slow
 def test_pipeline_parity_3d_dp_pp_tp(pools):
     assert_parity(pools.run(8, _pp_parity, dict(dp=2, pp=2, tp=2), "1f1b", 1, 2, dict(zero=3, sp=True)), tol=1e-5)
 

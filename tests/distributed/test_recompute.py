@@ -115,6 +115,7 @@ def _parity(rank, world):
     return reports
 
 
+@pytest.mark.slow
 def test_recompute_under_fsdp_and_tp_is_exact(pools):
     # dp=2 x tp=2 with SP, zero 3, 2 micro-batches: recomputation inside FSDP units
     # (parameters gathered again for it) on tensor-parallel blocks (whose reductions

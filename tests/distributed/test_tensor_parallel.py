@@ -27,6 +27,7 @@ def _gpt_parity(rank, world, tp, sp, lp, pos_emb, tied):
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("sp", [False, True], ids=["nosp", "sp"])
 @pytest.mark.parametrize("lp", [False, True], ids=["gathered-loss", "loss-parallel"])
+@pytest.mark.fast_cases(tp=2)
 def test_gpt_tp_parity(pools, tp, sp, lp):
     # learned positions + tied output on some cases, rope + untied on the others
     pos_emb, tied = ("learned", True) if sp == lp else ("rope", False)
@@ -283,6 +284,7 @@ def test_vocab_parallel_cross_entropy_matches_and_keeps_only_the_logits(pools, w
         assert saved_beyond_logits <= vectors, saved_beyond_logits
 
 
+@pytest.mark.slow
 def test_vocab_parallel_cross_entropy_compiled_passes_equal_the_eager_ones():
     # the GPU's path: each fp32 pass over the logits compiled (inductor on the CPU here), on an odd shape
     from meshtron.distributed import loss_parallel as lp

@@ -110,6 +110,7 @@ def _fsdp_tp(rank, world, kind):
 
 
 @pytest.mark.parametrize("kind", MODELS)
+@pytest.mark.fast_cases("plain", "gpt2")
 def test_dp2_x_tp2_zero3_matches_one_process(pools, kind):
     results = pools.run(4, _fsdp_tp, kind)
     assert_parity([r[0] for r in results], 1e-5)

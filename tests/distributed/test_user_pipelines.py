@@ -154,6 +154,7 @@ def test_pp2_matches_one_process(pools, kind):
 # FSDP on each stage does not depend on the architecture (the split, which does, is the pp2 test's for
 # every model): a tied Llama, GPT-2's Conv1D and tied head, and Gemma2's soft-capping and sliding windows
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "gemma2"])
+@pytest.mark.fast_cases("gpt2")
 def test_pp2_x_dp2_matches_one_process(pools, kind):
     worst = assert_parity(pools.run(4, _pp, kind, 2), TOL)
     print(f"{kind} pp2 x dp2: loss {worst.loss:.2g} grad {worst.grad:.2g} param {worst.param:.2g}")
@@ -165,6 +166,7 @@ def test_pp2_x_dp2_matches_one_process(pools, kind):
     ("softcap", dict(schedule="zbv", virtual=2)),
     ("granite", dict(recompute="full")),                            # the received input is what is kept
 ])
+@pytest.mark.fast_cases("gemma2-layout1", "softcap-layout2", "granite-layout3")
 def test_pp2_with_other_axes_and_schedules(pools, kind, layout):
     world = 2 * layout.get("tp", 1)
     worst = assert_parity(pools.run(world, _pp, kind, 1, **layout), TOL)

@@ -60,6 +60,7 @@ def leaves(*ts):
 # ----------------------------------------------------------------------------- LayerNorm
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.fast_cases(shape=((1, 3), (3, 77), (130, 1000)))
 def test_layer_norm_vs_float64(shape, dtype):
     m, n = shape
     g = torch.Generator().manual_seed(m * 7919 + n)
@@ -151,6 +152,7 @@ def test_layer_norm_gradcheck_float64():
 # ----------------------------------------------------------------------------- bias-GeLU
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.fast_cases(shape=((1, 3), (3, 77), (130, 1000)))
 def test_bias_gelu_vs_float64(shape, dtype):
     m, n = shape
     g = torch.Generator().manual_seed(m * 31 + n)
@@ -197,6 +199,7 @@ def test_bias_gelu_gradcheck_float64():
 # ----------------------------------------------------------------------------- RMSNorm
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.fast_cases(shape=((1, 3), (3, 77), (130, 1000)))
 def test_rms_norm_vs_float64(shape, dtype):
     m, n = shape
     g = torch.Generator().manual_seed(m * 7907 + n)
@@ -288,6 +291,7 @@ def test_rms_norm_gradcheck_float64():
 # ----------------------------------------------------------------------------- SwiGLU
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.fast_cases(shape=((1, 3), (3, 77), (130, 1000)))
 def test_swiglu_vs_float64(shape, dtype):
     m, n = shape
     g = torch.Generator().manual_seed(m * 37 + n)

@@ -76,6 +76,7 @@ CASES = {  # name: (world, degrees, parallel config, micro-batches)
 
 
 @pytest.mark.parametrize("case", CASES)
+@pytest.mark.fast_cases("dp2 zero3", "tp2 sp", "tp2 no sp, gathered loss", "tp2 sp, full recompute")
 def test_llama_parity(pools, case):
     world, degrees, pcfg, mb = CASES[case]
     assert_parity(pools.run(world, _parity, degrees, pcfg, mb), TOL)
@@ -109,6 +110,7 @@ PP_CASES = [  # (degrees, schedule, virtual stages, micro-batches, parallel conf
 
 @pytest.mark.parametrize("degrees,schedule,v,m,pcfg", PP_CASES,
                          ids=[f"{'x'.join(f'{k}{n}' for k, n in c[0].items())}-{c[1]}" for c in PP_CASES])
+@pytest.mark.fast_cases("dp1xpp2-1f1b", "dp1xpp2-interleaved-1f1b", "dp1xpp2-zbv", "dp1xpp2xtp2-1f1b")
 def test_llama_pipeline_parity(pools, degrees, schedule, v, m, pcfg):
     world = degrees["dp"] * degrees["pp"] * degrees.get("tp", 1)
     assert_parity(pools.run(world, _pp_parity, degrees, schedule, v, m, pcfg), TOL)
@@ -128,6 +130,7 @@ def _compiled_losses(rank, world):
     return losses[:2], losses[2:]
 
 
+@pytest.mark.slow
 def test_compiled_blocks_match_eager(pools):
     eager, compiled = pools.run(1, _compiled_losses, timeout=300)[0]
     assert compiled == pytest.approx(eager, rel=1e-5)
