@@ -97,7 +97,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 # --layout-trials' default; the steps the planner's timings leave out (the first compiles and warms
-# up, the second may still: recompiles, caches); a trial's steps (meshtron.train.planned runs them)
+# up, the second may still: recompiles, caches); a trial's steps (meshtron.cli.trials runs them)
 LAYOUT_TRIALS, WARMUP_STEPS = 3, 2
 TRIAL_STEPS = WARMUP_STEPS + 3
 

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
     os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
 
-from meshtron.train.cli import run  # noqa: E402
+from meshtron.cli.train import run  # noqa: E402
 
 if __name__ == "__main__":
     run(sys.argv[1:], description=__doc__)

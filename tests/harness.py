@@ -211,7 +211,7 @@ def mesh(**degrees):
 
 def train(rank, world, argv, exit_after=None):
     """The recipe's whole run on a pool rank: parse argv, build, train; the losses."""
-    from meshtron.train.cli import main
+    from meshtron.cli.train import main
     return main(argv, exit_after=exit_after)
 
 

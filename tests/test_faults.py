@@ -2,7 +2,7 @@
 --hang-timeout, the ranks that did not arrive named, each rank's stacks and flight recorder
 written; a job of two "nodes" that loses one goes on with the other, on a layout planned
 for what is left, and its losses from the checkpoint on equal an uninterrupted run's.
-Hangs and slowdowns are planted (meshtron/train/faults.py); the timing asserted is only
+Hangs and slowdowns are planted (meshtron/cli/faults.py); the timing asserted is only
 that the job ends well before --pg-timeout, which it would wait for otherwise."""
 import contextlib
 import io
@@ -255,7 +255,7 @@ def test_a_job_that_loses_a_node_goes_on_with_half_the_world(pools, tmp_path):
 # ---- the layout of a smaller world -------------------------------------------------------
 
 def test_a_layout_that_no_longer_fits_names_layout_auto(monkeypatch):
-    from meshtron.train.cli import main
+    from meshtron.cli.train import main
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
@@ -273,7 +273,7 @@ def test_a_layout_that_no_longer_fits_names_layout_auto(monkeypatch):
 
 
 def test_hang_timeout_and_straggler_threshold_are_checked(monkeypatch):
-    from meshtron.train.cli import main
+    from meshtron.cli.train import main
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(ConfigError, match=r"^--hang-timeout 600 must be at least 0 \(0: off\) and below "
                                           r"--pg-timeout 600"):

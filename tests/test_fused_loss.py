@@ -132,7 +132,7 @@ def test_one_process_bf16_under_autocast_keeps_an_fp32_head():
     """One process in bf16 runs under autocast with fp32 weights: the fused loss
     computes in the hidden states' bf16, as autocast's F.linear does, and trains
     as the plain loss does (to bf16 rounding)."""
-    from meshtron.train.cli import main
+    from meshtron.cli.train import main
     argv = ["--model", "llama-tiny", "--steps", "3", "--dtype", "bf16", "--log-interval", "1"]
     plain, fused = main(argv + ["--no-fused-loss"]), main(argv + ["--fused-loss"])
     assert len(fused) == 3 and all(abs(a - b) <= 2e-2 * abs(a) for a, b in zip(plain, fused)), (plain, fused)

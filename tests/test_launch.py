@@ -38,7 +38,7 @@ elif mode in ("raise", "sleep"):
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Appended to a copy's meshtron/train/cli.py: the recipe's entry point says whose code a rank runs. With
+# Appended to a copy's meshtron/cli/train.py: the recipe's entry point says whose code a rank runs. With
 # --edit, rank 0 of the first attempt edits it (into a longer file: a .pyc of the same size and second would
 # pass for current) and the attempt fails, so the next attempt's ranks say whether they run the edit.
 COPY_RUN = """
@@ -66,7 +66,7 @@ def _copy_of_the_project(tmp_path) -> str:
     shutil.copytree(os.path.join(ROOT, "meshtron"), copy / "meshtron", ignore=shutil.ignore_patterns("__pycache__"))
     (copy / "recipes").mkdir()
     shutil.copy(os.path.join(ROOT, "recipes", "train.py"), copy / "recipes")
-    with open(copy / "meshtron" / "train" / "cli.py", "a") as f:
+    with open(copy / "meshtron" / "cli" / "train.py", "a") as f:
         f.write(COPY_RUN)
     return str(copy / "recipes" / "train.py")
 

@@ -11,10 +11,10 @@ import time
 
 import pytest
 
+from meshtron.cli import layout_auto
 from meshtron.config import Config, ConfigError
 from meshtron.models import presets
 from meshtron.planner import plan, records
-from meshtron.train import planned, trial
 
 from harness import run_script
 
@@ -93,9 +93,9 @@ def test_the_printed_command_names_each_flag_once():
     pred = SimpleNamespace(flags=lambda: "--dp 4 --zero 0 --micro-batch 2 --recompute selective --compile")
     argv = ["--model", "tiny", "--compile", "--recompute", "selective", "--micro-batch", "4", "--layout", "auto",
             "--dry-run", "4", "--steps", "3"]
-    assert planned.command_line(argv, pred, 4) == ("meshtron-run --nproc-per-node 4 recipes/train.py --model tiny "
-                                                   "--steps 3 --dp 4 --zero 0 --micro-batch 2 --recompute selective "
-                                                   "--compile")
+    assert layout_auto.command_line(argv, pred, 4) == ("meshtron-run --nproc-per-node 4 recipes/train.py --model "
+                                                       "tiny --steps 3 --dp 4 --zero 0 --micro-batch 2 --recompute "
+                                                       "selective --compile")
 
 
 def _config(argv: list[str]) -> Config:
@@ -104,9 +104,9 @@ def _config(argv: list[str]) -> Config:
 
 def test_a_layout_chosen_under_a_memory_limit_fits_it():
     config = _config(["--model", "llama-1B", "--seq-len", "2048", "--global-batch", "32", "--dtype", "bf16"])
-    every, _ = planned.ranked(config, 4, 4, "h100", planned.Budget(None, "no limit"), [], [], "cpu")
-    budget = planned.Budget(every[0].memory * 0.8 / (1 - planned.MARGIN), "a test's")
-    fit, _ = planned.ranked(config, 4, 4, "h100", budget, [], [], "cpu")
+    every, _ = layout_auto.ranked(config, 4, 4, "h100", layout_auto.Budget(None, "no limit"), [], [], "cpu")
+    budget = layout_auto.Budget(every[0].memory * 0.8 / (1 - layout_auto.MARGIN), "a test's")
+    fit, _ = layout_auto.ranked(config, 4, 4, "h100", budget, [], [], "cpu")
     assert fit[0].memory <= budget.limit < every[0].memory   # the limit held, and it bit
     assert fit[0] == min((p for p in every if p.memory <= budget.limit), key=lambda p: (p.step_s, p.memory))
 
@@ -114,12 +114,13 @@ def test_a_layout_chosen_under_a_memory_limit_fits_it():
 def test_recorded_rows_set_a_measured_layouts_time_and_scale_the_others(tmp_path, monkeypatch):
     monkeypatch.setenv("MESHTRON_CALIBRATION_DIR", str(tmp_path))
     config = _config(["--model", "llama-tiny", "--seq-len", "16", "--global-batch", "8"])
-    before, none = planned.ranked(config, 4, 4, "h100", planned.Budget(None, ""), [], records.read("cpu"), "cpu")
+    before, none = layout_auto.ranked(config, 4, 4, "h100", layout_auto.Budget(None, ""), [], records.read("cpu"),
+                                      "cpu")
     assert none is None
     a, b = before[0], before[1]
     records.append("cpu", [records.row(config, a, 4, 4, a.step_s * 3, 1.5, "a test"),
                            records.row(config, b, 4, 4, b.step_s * 5, 2.0, "a test")])
-    after, note = planned.ranked(config, 4, 4, "h100", planned.Budget(None, ""), [], records.read("cpu"), "cpu")
+    after, note = layout_auto.ranked(config, 4, 4, "h100", layout_auto.Budget(None, ""), [], records.read("cpu"), "cpu")
     by_flags = {p.flags(): p for p in after}
     assert by_flags[a.flags()].step_s == pytest.approx(a.step_s * 3, rel=1e-3)
     assert by_flags[a.flags()].memory == 1.5 * GiB and by_flags[b.flags()].memory == 2.0 * GiB
@@ -144,8 +145,8 @@ ONE = ["--model", "llama-tiny", "--seq-len", "4", "--global-batch", "16", "--rec
 
 def _auto(trials: int):
     said = []
-    config, pred = trial.auto(Config.parse(ONE, None, presets.TRAINING)[0], ONE, trials, presets.TRAINING,
-                              say=said.append)
+    config, pred = layout_auto.auto(Config.parse(ONE, None, presets.TRAINING)[0], ONE, trials, presets.TRAINING,
+                                    say=said.append)
     return records.flags(config, pred), said
 
 
@@ -193,7 +194,8 @@ def test_a_trial_whose_peak_passes_the_memory_limit_is_not_chosen(world_of_one, 
 
 def test_the_closing_line_times_the_training_steps_alone(monkeypatch, tmp_path, capsys):
     # with --checkpoint-interval 1 it read -98%: the saves were timed as steps
-    from meshtron.train import checkpoint, cli
+    from meshtron.cli import train as cli
+    from meshtron.train import checkpoint
     save = checkpoint.save
 
     def slow_save(*args, **kwargs):

@@ -1,6 +1,7 @@
-"""The package's shape: distributed/ imports nothing of meshtron outside it, nothing
-imports in a cycle, model files import no torch.distributed, and the code
-passes the project's ruff configuration."""
+"""The package's shape: distributed/ imports nothing of meshtron outside it, the layers
+above it point one way (train/, then planner/, then the command line), nothing imports in a
+cycle, model files import no torch.distributed, and the code passes the project's ruff
+configuration."""
 import ast
 import os
 import re
@@ -101,15 +102,35 @@ def test_ruff():
 
 
 LOWER = ("distributed", "models", "data", "kernels_triton")   # what train/ and planner/ are built on
+# above them, bottom to top: the trainer, the planner (which predicts and dry-runs its runs), the command line
+LAYERS = ("train", "planner", "cli")
+
+
+def imported_from_above(package: str, above: tuple[str, ...]) -> dict[str, list[str]]:
+    """{module of meshtron.<package>: the modules of the packages `above` it imports}, for every module
+    of the package (empty lists where it imports none)."""
+    known = modules()
+    return {name: sorted(m for m in imports(name, path, known) if m.partition(".")[2].split(".")[0] in above)
+            for name, path in known.items() if name.split(".")[1:2] == [package]}
 
 
 def test_no_lower_package_imports_up_into_train_or_planner():
     # issue 36, point 7: the packages below import nothing from the ones built on them
-    known = modules()
-    up = {name: sorted(m for m in imports(name, path, known) if m.startswith(("meshtron.train", "meshtron.planner")))
-          for name, path in known.items() if name.split(".")[1:2] and name.split(".")[1] in LOWER}
+    up = {}
+    for package in LOWER:
+        up |= imported_from_above(package, LAYERS)
     assert not {k: v for k, v in up.items() if v}, up
     assert "meshtron.models" in up and "meshtron.distributed.pipeline_parallel" in up   # the walk saw them
+
+
+def test_train_planner_and_the_command_line_point_one_way():
+    # issue 59, point 3: train/ imports neither the planner nor the command line, the planner not the
+    # command line; what both need lives below them
+    for i, package in enumerate(LAYERS[:-1]):
+        up = {k: v for k, v in imported_from_above(package, LAYERS[i + 1:]).items() if v}
+        assert not up, f"{package}/ imports from above it: {up}"
+    assert "meshtron.train.trainer" in imported_from_above("train", ("planner",))   # the walk saw them
+    assert "meshtron.planner.dry_run" in imported_from_above("planner", ("cli",))
 
 
 def test_the_trainers_file_holds_the_trainer_only():
@@ -199,7 +220,7 @@ class NoTriton:
 
 sys.meta_path.insert(0, NoTriton())
 import torch, torch.nn.functional as F
-from meshtron.train.cli import main
+from meshtron.cli.train import main
 losses = main(["--model", "tiny", "--seq-len", "32", "--steps", "1", "--micro-batch", "2", "--global-batch", "2"])
 print(len(losses), asked)
 from meshtron.kernels_triton import layer_norm   # asks, and falls back

@@ -1,6 +1,6 @@
 """Every preset's name and the training settings its family gives it, without
 torch: the command line offers these names (--model) and takes the defaults of
---lr and --warmup from them before torch loads (meshtron/train/cli.py). The
+--lr and --warmup from them before torch loads (meshtron/cli/train.py). The
 registry (meshtron.models.PRESETS) maps the same names to their specs, which
 import the models; tests/test_config.py checks that the two agree.
 """

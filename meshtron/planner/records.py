@@ -1,6 +1,6 @@
 """Steps measured on this machine, which the planner reads the next time it plans for it.
 
-Every `--layout auto` trial (meshtron.train.planned) appends a row to
+Every `--layout auto` trial (meshtron.cli.layout_auto) appends a row to
 `$MESHTRON_CALIBRATION_DIR/<device>.jsonl` (default `~/.cache/meshtron/`), one file per
 device name, in the format of `calibration/h200_measured.jsonl` (which meshtron.planner.fit
 reads too): `world`, `flags` (the recipe's), `step_ms`, `peak_mem_gib`, `source` (what

@@ -13,7 +13,7 @@ over the local batch (micro-batches in turn, or the pipeline schedule), clips by
 the global norm and steps the optimizer; logging, metrics and checkpoints
 around it.
 
-Loss and gradients: meshtron/train/step.py. The command line: meshtron/train/cli.py.
+Loss and gradients: meshtron/train/step.py. The command line: meshtron/cli/train.py.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from meshtron.command_line import WARMUP_STEPS
 from meshtron.config import Config, ConfigError
 from meshtron.data import BatchLoader, open_data
 from meshtron.data.sources import is_text
@@ -40,7 +41,7 @@ from meshtron.distributed.reduce import sum_over
 from meshtron.distributed.tied import materialize
 from meshtron.models.common.documents import document_inputs, kept_pairs
 from meshtron.models.common.moe import RoutingStats
-from meshtron.train import checkpoint, hf, planned
+from meshtron.train import checkpoint, hf
 from meshtron.train.async_checkpoint import BackgroundSaver
 from meshtron.train.layout import build_model, pipeline_io, resolve_layout
 from meshtron.train.lifetime import DirectoryLock, describe
@@ -57,7 +58,8 @@ SCHEDULE = ("steps", "warmup", "lr", "min_lr_ratio", "weight_decay")
 
 class Trainer:
     """Everything a run needs, built once from a Config: `parts` (the model, or this
-    rank's pipeline stages), `optimizer`, `scheduler`, `loader`, and `step`/`train`.
+    rank's pipeline stages), `optimizer`, `scheduler`, `loader`, and `step`/`train`;
+    once trained, `step_s`: each training step's own seconds (evaluation and saves left out).
     Rank 0 holds --checkpoint-dir's lock from set-up until `close` (which `train`
     calls at its end), after any background save (--checkpoint-async) has finished; a
     set-up that fails releases it."""
@@ -387,11 +389,12 @@ class Trainer:
             self.progress.saved = checkpoint.step_of(path)
             self.log(f"saved checkpoint {path}")
 
-    def train(self, exit_after: int | None = None, on_step=None, before_publish=None) -> list[float]:
+    def train(self, exit_after: int | None = None, on_step=None, before_publish=None, on_end=None) -> list[float]:
         """Train to --steps (or `exit_after` steps of this run); returns the losses.
         `on_step(step)`, if given, runs before each step, `before_publish(step)` in the
         background save's thread before a save is renamed into place (the command line's test
-        hooks)."""
+        hooks), `on_end()` once the loop is over, before the closing line (the command line's
+        measured-vs-predicted line)."""
         c, tr, ck = self.config, self.config.training, self.config.checkpoint
         if exit_after is not None and exit_after < 1:
             raise ConfigError(f"exit_after must be at least 1, not {exit_after}")
@@ -415,7 +418,7 @@ class Trainer:
                                  unarmed=("checkpoint",) if ck.checkpoint_async else ())
         self.watchdog.start()
         losses, t_start = [], time.perf_counter()
-        self.step_s = []   # each step's own seconds, evaluation and saves left out: what the planner's lines time
+        self.step_s = []   # each step's own seconds, evaluation and saves left out
         last = min(tr.steps, self.start + exit_after) if exit_after else tr.steps
         for step in range(self.start + 1, last + 1):
             self.progress.at("data loading", step)
@@ -437,7 +440,7 @@ class Trainer:
                 self._report(step, float(losses[-1]), float(norm), meter.report(), time.perf_counter() - t_start)
             evaluating = self.eval_loader is not None and (step % c.data.eval_interval == 0 or step == tr.steps)
             saving = bool(ck.checkpoint_dir) and (step % ck.checkpoint_interval == 0 or step == tr.steps)
-            if (evaluating or saving or step == last or step - self.start <= planned.WARMUP_STEPS) and \
+            if (evaluating or saving or step == last or step - self.start <= WARMUP_STEPS) and \
                     self.device.type == "cuda":   # the step's queued kernels are its time, not the next thing's
                 torch.cuda.synchronize(self.device)
             self.step_s.append(time.perf_counter() - t_step)
@@ -469,8 +472,8 @@ class Trainer:
             for r, (ids, mem) in enumerate(per_rank):
                 host = " (host RSS)" if self.device.type == "cpu" else ""
                 self.log(f"rank {r} stages {ids}: peak mem {mem:.2f} GiB{host}")
-        if losses and dist.get_rank() == 0:   # beside the closing line: each run checks the planner's cost model
-            self.log(planned.comparison_line(c, dist.get_world_size(), self.microbatches, self.step_s, self.device))
+        if on_end is not None:
+            on_end()
         waited = self._finish_saves()   # its line, if any, then the closing one, which says it waited
         self._closing_line(losses, last, time.perf_counter() - t_start, waited)
         self.close()

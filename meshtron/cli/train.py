@@ -8,30 +8,27 @@ torch, which takes seconds on every rank, so a mistake in them shows at once;
 then it starts the process group, trains (meshtron/train/trainer.py) and reports
 any problem of the user's as one line (lifetime.one_line_errors). `--dry-run`
 hands the config to the planner instead; `--layout auto` asks the planner for
-the layout first, and tries its best few on every rank (meshtron.train.trial).
+the layout first, and tries its best few on every rank (meshtron.cli.layout_auto).
+Before the closing line, rank 0 compares the run's training steps with the
+planner's prediction for its layout (meshtron.cli.comparison).
 
 Test hooks (environment, not flags): MESHTRON_EXIT_AFTER=N stops after N steps
 of this run (the schedule still spans --steps); MESHTRON_CRASH_AT_STEP=N kills
 rank 1 at step N on a torchrun job's first attempt (fault-recovery tests);
-MESHTRON_HOLD_SAVE_AT_STEP=N holds the background save of step N (--checkpoint-async)
-forever once its shards are written, before it is renamed into place, after rank 0
-prints `holding the save of step N` (a kill during the write, deterministically);
-MESHTRON_FREE_MEMORY_GIB=X stands in for the device's free memory that --layout auto reads
-(meshtron.train.planned),
-MESHTRON_TRIAL_FAIL=K:R fails its trial K (from 1) on rank R before the trial's second step, the
-failed process staying as a GPU's may to NCCL (meshtron.train.trial); MESHTRON_SLOW_RANK and
-MESHTRON_HANG make a straggler and a hang (meshtron.train.faults).
+MESHTRON_SLOW_RANK and MESHTRON_HANG make a straggler and a hang (meshtron.cli.faults);
+MESHTRON_FREE_MEMORY_GIB and MESHTRON_TRIAL_FAIL stand in for the free memory --layout auto
+reads and fail one of its trials (meshtron.cli.layout_auto, meshtron.cli.trials);
+MESHTRON_HOLD_SAVE_AT_STEP holds a background save (meshtron/train/async_checkpoint.py).
 """
 from __future__ import annotations
 
 import os
 import sys
-import threading
 
+from meshtron.cli import faults
 from meshtron.command_line import LAYOUT_TRIALS
 from meshtron.config import Config, ConfigError
 from meshtron.models import presets
-from meshtron.train import faults
 from meshtron.train.lifetime import elastic_hint, init_process_group, one_line_errors
 
 
@@ -56,20 +53,6 @@ def _crash_hook(rank: int):
     return hook
 
 
-def _hold_hook(rank: int):
-    """MESHTRON_HOLD_SAVE_AT_STEP: the background save of that step never finishes."""
-    at = _env_int("MESHTRON_HOLD_SAVE_AT_STEP")
-    if at is None:
-        return None
-
-    def hook(step: int) -> None:
-        if step == at:
-            if rank == 0:
-                print(f"holding the save of step {step}", flush=True)
-            threading.Event().wait()   # never set: until the job is killed
-    return hook
-
-
 def main(argv=None, *, description: str | None = None, exit_after: int | None = None) -> list[float]:
     """Parse, check, build, train; returns the losses. Used by recipes/train.py and tests."""
     config, args = Config.parse(argv, description, presets.TRAINING)
@@ -79,9 +62,9 @@ def main(argv=None, *, description: str | None = None, exit_after: int | None = 
     if args.layout_trials is not None and args.layout_trials < 0:
         raise ConfigError(f"--layout-trials must be at least 0, not {args.layout_trials}")
     if args.layout == "auto" and args.dry_run is not None:   # the planner's choice and its command; nothing runs
-        from meshtron.train import planned
+        from meshtron.cli import layout_auto
         world = args.dry_run or _env_int("WORLD_SIZE") or 1
-        lines = planned.dry_run_lines(config, argv, world, _env_int("LOCAL_WORLD_SIZE") or world, presets.TRAINING)
+        lines = layout_auto.dry_run_lines(config, argv, world, _env_int("LOCAL_WORLD_SIZE") or world, presets.TRAINING)
         if os.environ.get("RANK", "0") == "0":
             print("\n".join(lines), flush=True)
         return []
@@ -101,23 +84,29 @@ def main(argv=None, *, description: str | None = None, exit_after: int | None = 
     # torch only now, with the flags checked: its import takes seconds on every rank
     import torch.distributed as dist
 
+    from meshtron.cli import comparison
     from meshtron.train.trainer import Trainer
 
     created = not dist.is_initialized()
     init_process_group(config.training.pg_timeout)
     try:
         if args.layout == "auto":   # the planner's layout, tried here first: every rank runs the trials
-            from meshtron.train import trial
+            from meshtron.cli import layout_auto
             trials = LAYOUT_TRIALS if args.layout_trials is None else args.layout_trials
-            config, _ = trial.auto(config, argv, trials, presets.TRAINING)
+            config, _ = layout_auto.auto(config, argv, trials, presets.TRAINING)
         if exit_after is None:
             exit_after = _env_int("MESHTRON_EXIT_AFTER")
         trainer = Trainer(config)
         rank = dist.get_rank()
+
+        def compare() -> None:   # beside the closing line: each run checks the planner's cost model
+            if trainer.step_s and rank == 0:
+                trainer.log(comparison.line(trainer.config, dist.get_world_size(), trainer.microbatches,
+                                            trainer.step_s, trainer.device))
         try:
             losses = trainer.train(exit_after=exit_after,
                                    on_step=faults.on_step(_crash_hook(rank), faults.slow(rank), faults.hang(rank)),
-                                   before_publish=_hold_hook(rank))
+                                   on_end=compare)
         except Exception as e:
             if trainer.watchdog is not None:   # a peer gone: one line and exit; else the error as it came
                 trainer.watchdog.lost_peer(e)

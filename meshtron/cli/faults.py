@@ -1,5 +1,5 @@
 """Test hooks for faults at scale (environment, not flags), run before each step, in its data
-loading, by the command line (meshtron/train/cli.py):
+loading, by the command line (meshtron/cli/train.py):
 
 MESHTRON_SLOW_RANK=R:F   rank R is a straggler: each step takes F times its own work, the rest
                          asleep (F - 1 times the CPU time it used since the last step began).

@@ -1,8 +1,6 @@
-"""`--layout auto` on every rank (`auto`): the free memory agreed (the least), rank 0's plan
-(meshtron.train.planned), then its fastest few candidates tried, each trained a few steps on
-the machine at hand by every rank of the job at once, each rank's trial in a process of its
-own; a table of them, a row each in the device's records (meshtron.planner.records), and the
-fastest measured to train with.
+"""--layout auto's trials (meshtron.cli.layout_auto): configs trained a few steps each on
+every rank of the job at once (`run`), each rank's trial in a process of its own; their
+step times and peaks, the same on every rank, and a table of them.
 
 A process of its own, for two reasons. A trial can fail on one rank alone (out of memory
 on a pipeline's first stage) and leave the others inside a collective that never ends;
@@ -14,7 +12,7 @@ torch.cuda.empty_cache and torch._dynamo.reset in the training process would not
 
 The processes are forks of a fork server (as the checkpoint writer's are: one import of
 torch per rank, not one per trial); like multiprocessing's, each imports the main module,
-so the training script needs its `if __name__ == "__main__":` guard (`auto` checks).
+so the training script needs its `if __name__ == "__main__":` guard (`why_not` checks).
 They meet at the job's own store (the launcher's, which every node reaches) under a
 prefix of their own, or, in a job of one process, at one this process starts.
 """
@@ -22,8 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import functools
-import math
 import os
 import statistics
 import tempfile
@@ -38,9 +34,7 @@ import torch.multiprocessing as mp
 
 from meshtron.command_line import TRIAL_STEPS, WARMUP_STEPS
 from meshtron.config import CheckpointConfig, Config, ConfigError
-from meshtron.distributed.agree import agree
-from meshtron.planner import records
-from meshtron.train import lifetime, planned
+from meshtron.train import lifetime
 
 GiB = 2 ** 30
 POLL_S = 0.2
@@ -57,83 +51,8 @@ class Outcome:
     error: str | None = None        # why the trial failed: the first rank's error
 
 
-def auto(config: Config, argv: list[str], trials: int, presets=None, say=None) -> tuple[Config, object]:
-    """`--layout auto` on every rank of the job (the process group started): (the config with the
-    layout to train with, its Prediction). Rank 0 plans and says; every rank runs the trials."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    device = planned.local_device()
-    config = config.on_device(device.type)
-    gpu, missing = planned.calibration_of(device)
-    name = planned.device_name(device)
-    say = _silent if rank != 0 else say or functools.partial(print, flush=True)
-    found = [None]
-    with agree():   # a problem of rank 0's plan (nothing fits) or of a rank's memory stops every rank, in one line
-        fail = _planted_failure()
-        budget = planned.read_budget(device, local)
-    budget = _least(budget)
-    with agree():
-        if rank == 0:
-            found[0] = planned.ranked(config, world, local, gpu, budget, planned.given_fields(argv, presets),
-                                      records.read(name), name)
-    dist.broadcast_object_list(found, src=0)   # one plan: each host's records may differ
-    fit, note = found[0]
-    say(budget.line(world, planned.time_source(gpu, missing)))
-    if note:
-        say(f"layout auto: {note}")
-    candidates = fit[:trials]
-    why_not = "--layout-trials 0" if trials == 0 else _no_trials(world, lifetime.unguarded_main())
-    if why_not:
-        say(planned.choice_line(fit[0], world, gpu, config) + f"; no trials ({why_not}): the prediction alone")
-        return planned.configured(config, fit[0]), fit[0]
-    outcomes = [_within(o, budget) for o in run(
-        [trial_config(planned.configured(config, p), TRIAL_STEPS) for p in candidates], WARMUP_STEPS, fail)]
-    for line in table(candidates, outcomes):
-        say(line)
-    recorded = ""
-    if rank == 0:
-        source = (f"meshtron --layout auto trial, {name}, torch {torch.__version__}, the median of "
-                  f"{TRIAL_STEPS - WARMUP_STEPS} steps after {WARMUP_STEPS}, {datetime.date.today().isoformat()}")
-        rows = [records.row(config, p, world, local, o.step_s, o.peak_gib, source, o.error)
-                for p, o in zip(candidates, outcomes)]
-        try:
-            recorded = f"; recorded in {records.append(name, rows)}"
-        except OSError as e:   # a read-only home: the run goes on, unrecorded
-            recorded = f"; not recorded ({e})"
-    measured = [(o.step_s, i) for i, o in enumerate(outcomes) if o.error is None]
-    if not measured:
-        error = ConfigError(f"--layout auto: no trial ran within the budget (the first: {outcomes[0].error}); "
-                            "--layout-trials 0 trains with the prediction alone")
-        error.all_ranks = True   # every rank has every outcome
-        raise error
-    step_s, best = min(measured)
-    say(planned.choice_line(candidates[best], world, gpu, config) +
-        f"; measured {step_s * 1e3:.1f} ms, the fastest of {len(measured)} trials{recorded}")
-    return planned.configured(config, candidates[best]), candidates[best]
-
-
-def _silent(line: str) -> None:
-    pass
-
-
-def _least(budget: planned.Budget) -> planned.Budget:
-    """The least free memory over the ranks: every rank plans the same layout."""
-    free = torch.tensor([math.inf if budget.free is None else budget.free], dtype=torch.float64)
-    dist.all_reduce(free, op=dist.ReduceOp.MIN)
-    return planned.Budget(None if math.isinf(free.item()) else free.item(), budget.said)
-
-
-def _within(outcome: Outcome, budget: planned.Budget) -> Outcome:
-    """A trial whose measured peak passed the budget is not chosen, however fast: the prediction that
-    let it in was short, and the run would be as close to the edge for all its steps."""
-    limit, peak = budget.limit, outcome.peak_gib
-    if outcome.error is not None or limit is None or peak is None or peak * GiB <= limit:
-        return outcome
-    return dataclasses.replace(outcome, error=f"over the budget: a peak of {peak:.2f} GiB, {limit / GiB:.2f} GiB "
-                                              "planned to")
-
-
-def _no_trials(world: int, unguarded: str | None) -> str | None:
+def why_not(world: int, unguarded: str | None) -> str | None:
+    """Why this job cannot run trials, or None where it can."""
     if unguarded is not None:
         return (f"a trial process imports the main module, as multiprocessing does: put the training in {unguarded} "
                 "under `if __name__ == \"__main__\":`")
@@ -142,7 +61,7 @@ def _no_trials(world: int, unguarded: str | None) -> str | None:
     return None
 
 
-def _planted_failure() -> tuple[int, int] | None:
+def planted_failure() -> tuple[int, int] | None:
     """MESHTRON_TRIAL_FAIL=K:R (the tests'): trial K (from 1) fails on rank R before its second step."""
     value = os.environ.get("MESHTRON_TRIAL_FAIL")
     if value is None:

@@ -1,10 +1,11 @@
-"""The planner inside the recipe. `--layout auto` ranks the layouts of the job (world size,
+"""`--layout auto`: the planner inside the recipe. It ranks the layouts of the job (world size,
 model, --seq-len, --global-batch; the layout flags given constrain them) that fit the
 device's free memory less MARGIN (`ranked`, with the device's measured rows applied:
-meshtron.planner.records); meshtron.train.trial runs the fastest few and trains with the
-fastest measured, and `dry_run_lines` prints the choice and its command. Every finished run
-compares its training steps' time with the planner's prediction for its layout (one line),
-so each run checks the cost model (meshtron.planner.plan; docs/planner.md).
+meshtron.planner.records). On every rank (`auto`): the free memory agreed (the least), rank
+0's plan, then its fastest few candidates tried, each trained a few steps on the machine at
+hand by every rank of the job at once (meshtron.cli.trials), a table of them, a row each in
+the device's records, and the fastest measured to train with. `dry_run_lines` prints the
+choice and its command, running nothing.
 
 Memory comes from the device itself: a GPU's free memory (the least over the ranks), on a
 CPU the machine's available memory over its ranks. Time comes from the device's shipped
@@ -13,18 +14,24 @@ calibration (h100, h200), else from the nearest one's, and the lines say so.
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import functools
 import math
 import os
 import re
-import statistics
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from meshtron import models
-from meshtron.command_line import WARMUP_STEPS, parser, read_toml
+from meshtron.cli import trials
+from meshtron.command_line import TRIAL_STEPS, WARMUP_STEPS, parser, read_toml
 from meshtron.config import SECTIONS, Config, ConfigError
-from meshtron.distributed.mesh import resolve_degrees
+from meshtron.distributed.agree import agree
+from meshtron.planner import plan, records
+from meshtron.planner.hardware import GPUS, calibration_line
+from meshtron.train import lifetime
 
 GiB = 2 ** 30
 # the flags --layout auto sets; a user's own value of one constrains its search
@@ -48,7 +55,6 @@ def device_name(device: torch.device) -> str:
 def calibration_of(device: torch.device) -> tuple[str, str]:
     """(the shipped calibration the planner times `device` with, the device it stands in for:
     "" where it is the device's own)."""
-    from meshtron.planner.hardware import GPUS
     if device.type != "cuda":
         return "h100", "the CPU"
     name = torch.cuda.get_device_name(device)
@@ -169,7 +175,6 @@ def ranked(config: Config, world: int, gpus_per_node: int, gpu: str, budget: Bud
     """(the layouts of the job that keep the given flags and fit the budget, fastest first, with
     the device's measured rows applied; the line that says how the rows were applied, or None).
     Nothing that fits is one line: the smallest layout's need and the budget."""
-    from meshtron.planner import plan, records
     par, tr = config.parallel, config.training
     if tr.global_batch is None:
         raise ConfigError("--layout auto needs --global-batch (samples per step), to split it over the ranks")
@@ -202,7 +207,6 @@ def configured(config: Config, pred) -> Config:
 
 
 def choice_line(pred, world: int, gpu: str, config: Config) -> str:
-    from meshtron.planner.hardware import calibration_line
     ep = pred.par.degrees()["ep"] > 1
     estimate = ("; expert parallelism's exposed all-to-alls are outside the step model: the trials are the "
                 "measure") if ep else ""
@@ -213,7 +217,6 @@ def choice_line(pred, world: int, gpu: str, config: Config) -> str:
 def dry_run_lines(config: Config, argv: list[str], world: int, gpus_per_node: int, presets=None) -> list[str]:
     """`--layout auto --dry-run`: the budget, the choice and the command that runs it (no trials:
     nothing runs), planned with this machine's device."""
-    from meshtron.planner import records
     device = local_device()
     config = config.on_device(device.type)
     gpu, missing = calibration_of(device)
@@ -222,41 +225,6 @@ def dry_run_lines(config: Config, argv: list[str], world: int, gpus_per_node: in
                        records.read(device_name(device)), device_name(device))
     return [budget.line(1, time_source(gpu, missing)), *([f"layout auto: {note}"] if note else []),
             choice_line(fit[0], world, gpu, config), command_line(argv, fit[0], world, presets)]
-
-
-def predicted_step_s(config: Config, world: int, microbatches: int, gpus_per_node: int, gpu: str) -> float:
-    """The planner's step seconds for the layout a run used."""
-    from meshtron.planner import plan
-    spec, cfg = _model_config(config)
-    par = config.parallel
-    degrees = resolve_degrees(world, **par.degrees())
-    par = dataclasses.replace(par, **degrees, microbatches=microbatches)
-    tr = config.training
-    return plan.predict(spec, cfg, par, tr.micro_batch, microbatches, tr.seq_len, plan.hardware(gpu),
-                        min(gpus_per_node, world)).step_s
-
-
-def comparison_line(config: Config, world: int, microbatches: int, step_s: list[float],
-                    device: torch.device) -> str:
-    """A finished run's training steps (those after WARMUP_STEPS; each step's own time, evaluation
-    and saves left out) against the planner's prediction for its layout, one line; where the
-    device has no calibration of its own, no percentage: the prediction is another device's."""
-    gpu, missing = calibration_of(device)
-    try:
-        pred = predicted_step_s(config, world, microbatches, int(os.environ.get("LOCAL_WORLD_SIZE", world)), gpu)
-    except Exception as e:   # noqa: BLE001 -- the run itself succeeded: a planner gap is reported, not raised
-        return f"planner: no prediction for this layout ({type(e).__name__}: {e})"
-    timed = step_s[WARMUP_STEPS:]
-    if not timed:
-        return (f"planner: predicted {pred * 1e3:.1f} ms a step on {gpu}; too few steps to time one (the first "
-                f"{WARMUP_STEPS} warm up and compile)")
-    measured = statistics.fmean(timed)
-    which = f"{len(timed)} training steps after the first {WARMUP_STEPS}"
-    if missing:
-        return (f"planner: measured {measured * 1e3:.1f} ms a step ({which}); no calibration of {missing}: an "
-                f"{gpu.upper()}'s prediction, {pred * 1e3:.1f} ms, is no check of it")
-    return (f"planner: measured {measured * 1e3:.1f} ms a step ({which}), predicted {pred * 1e3:.1f} ms on {gpu} "
-            f"({pred / measured - 1:+.0%})")
 
 
 def command_line(argv: list[str], pred, world: int, presets=None) -> str:
@@ -281,3 +249,80 @@ def command_line(argv: list[str], pred, world: int, presets=None) -> str:
                 not argv[i].startswith("-"):
             i += 1   # its value
     return " ".join(["meshtron-run --nproc-per-node", str(world), "recipes/train.py", *keep, chosen])
+
+
+def auto(config: Config, argv: list[str], tries: int, presets=None, say=None) -> tuple[Config, object]:
+    """`--layout auto` on every rank of the job (the process group started): (the config with the
+    layout to train with, its Prediction). Rank 0 plans and says; every rank runs the `tries`
+    fastest as trials (none: the prediction alone)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    device = local_device()
+    config = config.on_device(device.type)
+    gpu, missing = calibration_of(device)
+    name = device_name(device)
+    say = _silent if rank != 0 else say or functools.partial(print, flush=True)
+    found = [None]
+    with agree():   # a problem of rank 0's plan (nothing fits) or of a rank's memory stops every rank, in one line
+        fail = trials.planted_failure()
+        budget = read_budget(device, local)
+    budget = _least(budget)
+    with agree():
+        if rank == 0:
+            found[0] = ranked(config, world, local, gpu, budget, given_fields(argv, presets), records.read(name),
+                              name)
+    dist.broadcast_object_list(found, src=0)   # one plan: each host's records may differ
+    fit, note = found[0]
+    say(budget.line(world, time_source(gpu, missing)))
+    if note:
+        say(f"layout auto: {note}")
+    candidates = fit[:tries]
+    why_not = "--layout-trials 0" if tries == 0 else trials.why_not(world, lifetime.unguarded_main())
+    if why_not:
+        say(choice_line(fit[0], world, gpu, config) + f"; no trials ({why_not}): the prediction alone")
+        return configured(config, fit[0]), fit[0]
+    outcomes = [_within(o, budget) for o in trials.run(
+        [trials.trial_config(configured(config, p), TRIAL_STEPS) for p in candidates], WARMUP_STEPS, fail)]
+    for line in trials.table(candidates, outcomes):
+        say(line)
+    recorded = ""
+    if rank == 0:
+        source = (f"meshtron --layout auto trial, {name}, torch {torch.__version__}, the median of "
+                  f"{TRIAL_STEPS - WARMUP_STEPS} steps after {WARMUP_STEPS}, {datetime.date.today().isoformat()}")
+        rows = [records.row(config, p, world, local, o.step_s, o.peak_gib, source, o.error)
+                for p, o in zip(candidates, outcomes)]
+        try:
+            recorded = f"; recorded in {records.append(name, rows)}"
+        except OSError as e:   # a read-only home: the run goes on, unrecorded
+            recorded = f"; not recorded ({e})"
+    measured = [(o.step_s, i) for i, o in enumerate(outcomes) if o.error is None]
+    if not measured:
+        error = ConfigError(f"--layout auto: no trial ran within the budget (the first: {outcomes[0].error}); "
+                            "--layout-trials 0 trains with the prediction alone")
+        error.all_ranks = True   # every rank has every outcome
+        raise error
+    step_s, best = min(measured)
+    say(choice_line(candidates[best], world, gpu, config) +
+        f"; measured {step_s * 1e3:.1f} ms, the fastest of {len(measured)} trials{recorded}")
+    return configured(config, candidates[best]), candidates[best]
+
+
+def _silent(line: str) -> None:
+    pass
+
+
+def _least(budget: Budget) -> Budget:
+    """The least free memory over the ranks: every rank plans the same layout."""
+    free = torch.tensor([math.inf if budget.free is None else budget.free], dtype=torch.float64)
+    dist.all_reduce(free, op=dist.ReduceOp.MIN)
+    return Budget(None if math.isinf(free.item()) else free.item(), budget.said)
+
+
+def _within(outcome: trials.Outcome, budget: Budget) -> trials.Outcome:
+    """A trial whose measured peak passed the budget is not chosen, however fast: the prediction that
+    let it in was short, and the run would be as close to the edge for all its steps."""
+    limit, peak = budget.limit, outcome.peak_gib
+    if outcome.error is not None or limit is None or peak is None or peak * GiB <= limit:
+        return outcome
+    return dataclasses.replace(outcome, error=f"over the budget: a peak of {peak:.2f} GiB, {limit / GiB:.2f} GiB "
+                                              "planned to")
