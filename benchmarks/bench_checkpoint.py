@@ -11,7 +11,7 @@ for any registered model under any layout.
 For each mode (sync, then async) the Trainer is built as recipes/train.py builds it
 (every flag this script does not know goes to the recipe), saving into a fresh
 subdirectory of --dir with --keep-checkpoints 1. It runs --warmup steps, then
---steps steps, saving after every --every of them through Trainer.save_checkpoint.
+--steps steps, saving after every --every of them through the Trainer's CheckpointManager.
 The device is synchronized after each step, so a step's time is its own, and after
 each save: a save's hold is the time from the loop calling it to the device being
 free again (for async: waiting for the previous save, the copy into host memory
@@ -77,12 +77,12 @@ def measure(mode: str, recipe_flags: list[str], args) -> dict:
     for i in range(args.warmup):
         trainer.step(*trainer.next_batch())
         if i == 0:   # as Trainer.train: the async host copy made beside the steps after the first
-            trainer.prepare_saves()
+            trainer.checkpoints.prepare()
     sync(device)
     step_s, in_flight, holds, writes = [], [], [], []
     started = None   # when the save being written in the background was called
     for i in range(1, args.steps + 1):
-        writing = trainer.saver is not None and trainer.saver.in_flight is not None
+        writing = trainer.checkpoints.in_flight is not None
         if started is not None and not writing:   # one entry per save on every rank, whenever each notices
             writes[-1], started = time.perf_counter() - started, None
         t0 = time.perf_counter()
@@ -93,21 +93,20 @@ def measure(mode: str, recipe_flags: list[str], args) -> dict:
         if i % args.every == 0 and len(holds) < args.max_saves:
             t0 = time.perf_counter()
             if started is not None:   # the previous write still runs: the save waits for it (part of its hold)
-                trainer.saver.wait()
+                trainer.checkpoints.wait()
                 writes[-1], started = time.perf_counter() - started, None
-            trainer.save_checkpoint(args.warmup + i)
+            trainer.checkpoints.save(args.warmup + i)
             sync(device)
             holds.append(time.perf_counter() - t0)
-            if trainer.saver is not None:
+            if mode == "async":
                 started = t0
                 writes.append(0.0)
     t0 = time.perf_counter()
-    if trainer.saver is not None:
-        trainer.saver.wait()
+    trainer.checkpoints.wait()
     last_wait_s = time.perf_counter() - t0
     if started is not None:
         writes[-1] = time.perf_counter() - started
-    check = check_async(trainer, total + 1) if trainer.saver is not None and args.check else None
+    check = check_async(trainer, total + 1) if mode == "async" and args.check else None
     trainer.close()
     step_s, holds, writes = worst(step_s, device), worst(holds, device), worst(writes, device)
     # a step is in flight when any rank's writer was running as it started
@@ -157,11 +156,11 @@ def check_async(trainer, step: int) -> str:
     back: every tensor must be the state at `step`. Raises on a mismatch."""
     sync(trainer.device)
     before = local_state(trainer, step)
-    trainer.save_checkpoint(step)
+    trainer.checkpoints.save(step)
     trainer.step(*trainer.next_batch())
     sync(trainer.device)
     moved = sum(not torch.equal(before[k], v) for k, v in local_state(trainer, step).items())
-    path = trainer.saver.wait()
+    path = trainer.checkpoints.wait()
     checkpoint.load(path, trainer.parts, trainer.optimizer, trainer.scheduler, trainer.loader,
                     config=trainer.model_config, names=trainer._param_names())
     bad = [k for k, v in local_state(trainer, step).items() if not torch.equal(before[k], v)]

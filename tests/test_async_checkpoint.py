@@ -148,7 +148,7 @@ def _in_the_writer(rank, world, argv):
     dcp.save, cw.IndexPickler.persistent_id, host_copy.allocate = refuse, watched, recorded
     try:
         trainer = Trainer(Config.from_args(argv, models=models.PRESETS), verbose=False)
-        pid = trainer.saver.writer_pid
+        pid = trainer.checkpoints.saver.writer_pid
         deadline = time.monotonic() + 60            # it names itself first thing
         while _name(pid) != "meshtron-writer" and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -156,7 +156,7 @@ def _in_the_writer(rank, world, argv):
         losses = trainer.train()      # and closes the saver, which stops the writer
     finally:
         dcp.save, cw.IndexPickler.persistent_id, host_copy.allocate = real, index, allocate
-    local = [t.to_local() if isinstance(t, DTensor) else t for t in host_copy.tensors(trainer.saver._host)]
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in host_copy.tensors(trainer.checkpoints.saver._host)]
     shared = all(t.is_shared() for t in local)
     return os.getpid(), pid, name, shared, by_value, not _alive(pid), losses, made
 
@@ -569,14 +569,14 @@ def _checksums_past_the_deadline(rank, world, argv):
 
     def on_step(step):
         if step == 4:
-            trainer.saver.timeout_s = 1.0
+            trainer.checkpoints.saver.timeout_s = 1.0
         if step == 5 and rank == 0:   # the loop reaches step 5's save, whose wait gives step 4's up
             seen["checksumming"] = checksumming.wait(timeout=60)
 
     def slow_crc(path):
         if ".tmp-step-00000004" in path and not checksumming.is_set():
             checksumming.set()
-            seen["writer stopped"] = _poll(lambda: not _alive(trainer.saver.writer_pid), 60)
+            seen["writer stopped"] = _poll(lambda: not _alive(trainer.checkpoints.saver.writer_pid), 60)
             seen["lock"] = "held"
             deadline = time.monotonic() + 3
             while time.monotonic() < deadline:

@@ -7,7 +7,7 @@
 3. copies the training state into host memory: one host copy of this rank's state,
    made once and reused, in shared memory (host_copy.py; pinned where the state lives
    on a GPU, the copies queued on the current stream, so the loop is not held for
-   them). The Trainer has it made beside the steps after the first one (`prepare`: a
+   them). The run has it made beside the steps after the first one (`prepare`: a
    thread; allocating and pinning tens of GB took 11-45 s when the first save did it);
 4. starts a thread that waits for those copies, hands the copy to this rank's writer
    process, which writes it with DCP, and waits for its answer; save returns: the
@@ -18,9 +18,9 @@ and rank 0 records, renames and prunes exactly as a blocking save does
 Until that rename the save is a `.tmp-step-N`, which nothing loads and `--resume auto`
 never sees, so a job killed while a write is in flight resumes from the previous
 checkpoint. Retention runs in that thread, after the rename, while no other save is in
-flight: it never touches the one being written. The Trainer waits for the save's thread
-to end before it releases the directory's lock and before its closing line, and
-`close` stops the writer process.
+flight: it never touches the one being written. The run's CheckpointManager
+(checkpoint_manager.py) waits for the save's thread to end before the closing line and
+before the Trainer releases the directory's lock, and `close` stops the writer process.
 A save is given the job's --pg-timeout (`timeout_s`), as the collectives of a blocking
 one are: a save still unfinished then (a writer that hangs, rank 0's checksums over slow
 files) is given up: `wait` and `close` stop the writer, wait for the thread and raise,
@@ -50,6 +50,11 @@ it is built (a collective call, at the same point of every rank's set-up), uses 
 for nothing else, and over it tells every rank where the writers meet: a store that
 rank 0 serves on a port the kernel picked (no window in which another program can
 take a port chosen for it).
+
+A test hook (environment, not a flag): MESHTRON_HOLD_SAVE_AT_STEP=N holds the save of step
+N for ever once every rank's shards are on disk, before rank 0 renames it into place, after
+rank 0 prints `holding the save of step N`: a job killed while a write is in flight,
+deterministically.
 """
 from __future__ import annotations
 
@@ -66,6 +71,7 @@ from torch.distributed._state_dict_utils import CompanionMismatch, _copy_state_d
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
+from meshtron.config import ConfigError
 from meshtron.train import checkpoint, checkpoint_writer, host_copy, lifetime
 from meshtron.train.checkpoint_writer import first_line
 
@@ -82,6 +88,7 @@ class BackgroundSaver:
     """Checkpoints written by a background process; one in flight at a time."""
 
     def __init__(self, timeout_s: float = 600):
+        self._hold_at = _held_step()   # the test hook's step, or None
         # the writer would run the script again: train, or hang joining the job. The same
         # script on every rank: each refuses here, before any collective
         unguarded = lifetime.unguarded_main()
@@ -141,12 +148,10 @@ class BackgroundSaver:
         return self._path if self._thread is not None and self._thread.is_alive() else None
 
     def save(self, root: str, step: int, parts, optimizer, scheduler=None, loader=None, *, keep: int = 3,
-             names: dict[int, str] | None = None, before_publish=None, **record) -> str:
+             names: dict[int, str] | None = None, **record) -> str:
         """Stage root/step-<step> and start writing it; returns its final path (which
         exists once `wait` returns). `record`: checkpoint.publish's keywords (config,
-        layout, model, preset, tokenizer). `before_publish(step)`, if given, runs in the
-        saver's thread on every rank once every rank's shards are on disk, before rank 0
-        renames them into place (a test's way to hold a write in flight)."""
+        layout, model, preset, tokenizer, schedule)."""
         self.wait()
         self._prepared()
         checkpoint._stored(record.get("config"))     # before any collective: a bad config fails alone
@@ -158,7 +163,7 @@ class BackgroundSaver:
         self._path, self.started, self._state = final, self.started + 1, "writing"
         self._deadline = time.monotonic() + self.timeout_s
         self._thread = threading.Thread(target=self._write, name=f"meshtron-save-{step}", daemon=True,
-                                        args=(staged, copied, root, step, keep, record, before_publish))
+                                        args=(staged, copied, root, step, keep, record))
         self._thread.start()
         return final
 
@@ -324,7 +329,7 @@ class BackgroundSaver:
             copied.record()
         return staged, copied
 
-    def _write(self, staged: dict, copied, root: str, step: int, keep: int, record: dict, before_publish) -> None:
+    def _write(self, staged: dict, copied, root: str, step: int, keep: int, record: dict) -> None:
         try:
             if copied is not None:
                 copied.synchronize()             # the writer reads the copy only once it is complete
@@ -332,8 +337,8 @@ class BackgroundSaver:
             if not self._settle("writing", "written"):   # given up: kept from the barrier, no rank publishes it
                 return
             self._collective(self._barrier, "was not published: not every rank's write finished")   # all on disk
-            if before_publish is not None:
-                before_publish(step)
+            if step == self._hold_at:
+                _hold(step)
             self._publish(root, step, keep, record)
         except BaseException as e:  # noqa: BLE001 - handed to the main thread by wait()
             self._error = e
@@ -406,6 +411,22 @@ class BackgroundSaver:
     def _barrier(self) -> None:
         if self.group is not None:
             dist.barrier(group=self.group)
+
+
+def _held_step() -> int | None:
+    """MESHTRON_HOLD_SAVE_AT_STEP's step (the module's docstring), or None."""
+    value = os.environ.get("MESHTRON_HOLD_SAVE_AT_STEP")
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"MESHTRON_HOLD_SAVE_AT_STEP={value!r} must be a positive integer")
+    return int(value)
+
+
+def _hold(step: int) -> None:
+    if checkpoint._rank() == 0:
+        print(f"holding the save of step {step}", flush=True)
+    threading.Event().wait()   # never set: until the job is killed
 
 
 def _start_store(addr: str, world: int, timeout: datetime.timedelta):

@@ -8,10 +8,10 @@ checkpoint directory's lock, model layout, data, checkpoint files), agreed acros
 on the meta device, cut into pipeline stages, parallelized by its spec (TP,
 recompute, compile, FSDP), materialized and initialized by parameter name (the
 same values under any layout); optimizer, schedule, data loader; the checkpoint
-or safetensors to start from. Then the loop: `step` runs one forward/backward
-over the local batch (micro-batches in turn, or the pipeline schedule), clips by
-the global norm and steps the optimizer; logging, metrics and checkpoints
-around it.
+manager, and the checkpoint or safetensors to start from. Then the loop: `step`
+runs one forward/backward over the local batch (micro-batches in turn, or the
+pipeline schedule), clips by the global norm and steps the optimizer; logging,
+metrics and checkpoints around it.
 
 Loss and gradients: meshtron/train/step.py. The command line: meshtron/cli/train.py.
 """
@@ -41,35 +41,32 @@ from meshtron.distributed.reduce import sum_over
 from meshtron.distributed.tied import materialize
 from meshtron.models.common.documents import document_inputs, kept_pairs
 from meshtron.models.common.moe import RoutingStats
-from meshtron.train import checkpoint, hf
-from meshtron.train.async_checkpoint import BackgroundSaver
+from meshtron.train import hf
+from meshtron.train.checkpoint_manager import CheckpointManager, find_resume, hold_directory
 from meshtron.train.layout import build_model, pipeline_io, resolve_layout
-from meshtron.train.lifetime import DirectoryLock, describe
+from meshtron.train.lifetime import DirectoryLock
 from meshtron.train.loss import IGNORE_INDEX, forward_kwargs
 from meshtron.train.metrics import RunLog, Throughput, peak_memory_gib
-from meshtron.train.optim import build_optimizer, plan_again, warmup_cosine
+from meshtron.train.optim import build_optimizer, warmup_cosine
 from meshtron.train.step import _value, gradients, layout_loss, micro_batch_loss, moe_end_step
 from meshtron.train.stragglers import Stragglers
 from meshtron.train.watchdog import Progress, Watchdog
 
-# the settings a checkpoint's learning-rate schedule and AdamW groups were made with (TrainingConfig's)
-SCHEDULE = ("steps", "warmup", "lr", "min_lr_ratio", "weight_decay")
-
 
 class Trainer:
     """Everything a run needs, built once from a Config: `parts` (the model, or this
-    rank's pipeline stages), `optimizer`, `scheduler`, `loader`, and `step`/`train`;
-    once trained, `step_s`: each training step's own seconds (evaluation and saves left out).
-    Rank 0 holds --checkpoint-dir's lock from set-up until `close` (which `train`
-    calls at its end), after any background save (--checkpoint-async) has finished; a
-    set-up that fails releases it."""
+    rank's pipeline stages), `optimizer`, `scheduler`, `loader`, `checkpoints` (what the run
+    resumes and its saves), and `step`/`train`; once trained, `step_s`: each training step's
+    own seconds (evaluation and saves left out). Rank 0 holds --checkpoint-dir's lock from
+    set-up until `close` (which `train` calls at its end), after any background save
+    (--checkpoint-async) has finished; a set-up that fails releases it."""
 
     def __init__(self, config: Config, *, verbose: bool = True):
         self.config = config.on_device(default_device_type())   # --dtype left out: bf16 on GPUs, fp32 on the CPU
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.lock: DirectoryLock | None = None
         self.run_log: RunLog | None = None
-        self.saver: BackgroundSaver | None = None
+        self.checkpoints: CheckpointManager | None = None
         self.progress = Progress()   # where the loop is, for the watchdog and the stragglers (watchdog.py)
         self.watchdog: Watchdog | None = None
         try:
@@ -84,14 +81,8 @@ class Trainer:
         if self.watchdog is not None:
             self.watchdog.stop()
         try:
-            if self.saver is not None:
-                writing = self.saver.in_flight
-                try:
-                    self._saved(self.saver.wait())
-                except Exception as e:  # noqa: BLE001 - closing after another error: say it, release the lock
-                    self.log(f"the background save of {writing} failed: {e}")
-                finally:
-                    self.saver.close()
+            if self.checkpoints is not None:   # once it returns no thread of the run touches the directory
+                self.checkpoints.close()
         finally:   # whatever the save did (an interrupt too), the logs close and the lock goes
             if self.run_log is not None:
                 self.run_log.close()
@@ -113,9 +104,8 @@ class Trainer:
             data = self._open_data()
             # what to resume, read before the directory is locked or cleared: a directory of
             # another model's checkpoints is refused with its files untouched
-            self.resume_from = self._find_resume()
-            self.schedule_changes, self.schedule_plan = self._check_schedule()
-            self.lock = self._hold_checkpoint_dir()
+            resume = find_resume(c, self.model_config, self._model_name(), self.log)
+            self.lock = hold_directory(c.checkpoint.checkpoint_dir, self.log) if self.rank == 0 else None
         self.mesh = init_mesh(**degrees)
         self.device = (torch.device("cuda", torch.cuda.current_device()) if self.mesh.device_type == "cuda"
                        else torch.device("cpu"))
@@ -126,14 +116,16 @@ class Trainer:
             self.loader, self.eval_loader = self._build_loaders(*data)
             self._import_weights()
         self.loss_fn = layout_loss(self.mesh, c.parallel, self.device, self.parts)
-        if c.checkpoint.checkpoint_async and c.checkpoint.checkpoint_dir:
-            # its own process group and writer processes: made here, on every rank
-            self.saver = BackgroundSaver(c.training.pg_timeout)
+        # with --checkpoint-async, its own process group and writer processes: made here, on every rank
+        self.checkpoints = CheckpointManager(
+            c, resume, self.parts, self.optimizer, self.scheduler, self.loader, names=self._param_names(),
+            record=dict(config=self.model_config, model=self.spec.name, preset=self._model_name(),
+                        tokenizer=self._tokenizer()), progress=self.progress, log=self.log)
         self.moe_stats = None   # the last step's routing statistics (mixture-of-experts models)
         if self.pipeline is not None:
             self.pipeline.build_schedule(self.loss_fn, pipeline_io(self.model_config, c, self.mesh),
                                          forward_kwargs(self.loss_fn))
-        self.start = self._resume()
+        self.start = self.checkpoints.resume()
         if c.parallel.fp8 == "tensorwise":   # the first step's fp8 weight scales, from the weights it starts from
             precompute_scales(self.parts)
 
@@ -175,92 +167,6 @@ class Trainer:
         weights = ck.init_from_hf or ck.import_safetensors
         if weights:
             hf.import_safetensors(self.parts, weights, self.model_config, self.spec.hf)
-
-    def _resume(self) -> int:
-        """The step this run starts from: the resumed checkpoint's, or 0."""
-        if not self.resume_from:
-            return 0
-        ck = self.config.checkpoint
-        start = checkpoint.load(self.resume_from, self.parts, self.optimizer, self.scheduler, self.loader,
-                                config=self.model_config, rebatch_by_tokens=ck.data_rebatch,
-                                names=self._param_names())
-        self.log(f"resumed from {self.resume_from} at step {start}")
-        self._plan_schedule(start)
-        if ck.checkpoint_dir and self.rank == 0:
-            for moved in checkpoint.set_aside_newer(ck.checkpoint_dir, start):
-                self.log(f"set aside a checkpoint newer than step {start}: {moved}")
-        return start
-
-    def _check_schedule(self) -> tuple[dict, dict | None]:
-        """The resumed checkpoint's schedule settings that differ from this run's ({field: (there, here)}),
-        and the schedule it was planned again to (by --schedule-override), if any. A difference is refused
-        without --schedule-override (Megatron's --override-opt_param-scheduler): the loaded schedule would
-        follow the new settings from the resumed step on, and the learning rate jump there without a word."""
-        meta = checkpoint.record_of(self.resume_from) if self.resume_from else None
-        layout = (meta or {}).get("layout")
-        saved = layout.get("training") if isinstance(layout, dict) else None
-        if not isinstance(saved, dict):   # a checkpoint saved outside the Trainer records no settings
-            return {}, None
-        tr = self.config.training
-        changes = {k: (saved[k], getattr(tr, k)) for k in SCHEDULE if k in saved and saved[k] != getattr(tr, k)}
-        if changes and not self.config.checkpoint.schedule_override:
-            said = "; ".join(f"--{k.replace('_', '-')} {a} there, {b} here" for k, (a, b) in changes.items())
-            raise ConfigError(f"checkpoint {self.resume_from} was saved under another learning-rate schedule "
-                              f"({said}): pass --schedule-override to plan it again from step {meta.get('step')} "
-                              "(the learning rate goes on from its value there to the new end), or resume with "
-                              "the checkpoint's values")
-        return changes, meta.get("schedule")
-
-    def _plan_schedule(self, start: int) -> None:
-        """Under --schedule-override with settings that changed, plan the schedule again from `start`, from
-        the learning rate the checkpoint left (a warmup under way goes on to the new --warmup, one over
-        stays over), and say so; a schedule planned so before (recorded in the checkpoint) goes on."""
-        tr, plan = self.config.training, self.schedule_plan
-        if self.schedule_changes:
-            warmup_end = plan["warmup_to"] if plan else self.schedule_changes.get("warmup", (tr.warmup,))[0]
-            lr = self.optimizer.param_groups[0]["lr"]
-            plan = {"from_step": start, "from_lr": lr,
-                    "warmup_to": tr.warmup if start < min(warmup_end, tr.warmup) else start}
-            said = ", ".join(f"--{k.replace('_', '-')} {a} -> {b}" for k, (a, b) in self.schedule_changes.items())
-            warm = f", warmup to {tr.lr:.2e} at step {tr.warmup}" if plan["warmup_to"] > start else ""
-            self.log(f"--schedule-override ({said}): the learning-rate schedule planned again from step {start}: "
-                     f"{lr:.2e} there{warm}, cosine down to {tr.lr * tr.min_lr_ratio:.2e} at step {tr.steps}")
-        if plan is not None:
-            plan_again(self.optimizer, self.scheduler, plan, tr.lr, tr.steps, tr.min_lr_ratio, tr.weight_decay)
-        self.schedule_plan = plan
-
-    def _hold_checkpoint_dir(self) -> DirectoryLock | None:
-        """Rank 0 locks --checkpoint-dir (inside agree(): a live holder stops every
-        rank before anything communicates), then clears what killed saves left."""
-        d = self.config.checkpoint.checkpoint_dir
-        if not d or self.rank != 0:
-            return None
-        lock = DirectoryLock(d)
-        dead = lock.acquire()
-        if dead:
-            self.log(f"took over {d}: its lock was left by a run that died holding it, {describe(dead)}")
-        for left in checkpoint.clear_unfinished(d):
-            self.log(f"removed {left} from {d}: left by a killed save")
-        return lock
-
-    def _find_resume(self) -> str | None:
-        ck = self.config.checkpoint
-        name = self._model_name()
-        if ck.resume == "auto":
-            path, skipped = checkpoint.latest_good(ck.checkpoint_dir, self.model_config, name)
-            for reason in skipped:
-                self.log(f"skipping a bad checkpoint: {reason}")
-            if path is None:
-                self.log(f"--resume auto: no checkpoint to resume in {ck.checkpoint_dir}; starting from step 0")
-            return path
-        if ck.resume != "none":
-            checkpoint.validate(ck.resume, self.model_config, name=name)
-            return ck.resume
-        if ck.checkpoint_dir and checkpoint.list_checkpoints(ck.checkpoint_dir):
-            raise ConfigError(f"--checkpoint-dir {ck.checkpoint_dir} already holds checkpoints (newest "
-                              f"{os.path.basename(checkpoint.latest(ck.checkpoint_dir))}): pass --resume auto to "
-                              "continue from them, or another directory")
-        return None
 
     def _build_model(self) -> tuple[list[nn.Module], Pipeline | None]:
         parts, pipeline = build_model(self.spec, self.model_config, self.mesh, self.config.parallel,
@@ -359,41 +265,10 @@ class Trainer:
     def log(self, line: str) -> None:
         self.run_log.print(line)
 
-    def save_checkpoint(self, step: int, before_publish=None) -> float:
-        """Save the state after `step` into --checkpoint-dir; returns the seconds the loop
-        was held. With --checkpoint-async it is copied to host memory and written in the
-        background (`before_publish`: BackgroundSaver.save's), after the previous save
-        has finished."""
-        ck, t0 = self.config.checkpoint, time.perf_counter()
-        args = (ck.checkpoint_dir, step, self.parts, self.optimizer, self.scheduler, self.loader)
-        kw = dict(config=self.model_config, layout=self.config, keep=ck.keep_checkpoints, names=self._param_names(),
-                  model=self.spec.name, preset=self._model_name(), tokenizer=self._tokenizer(),
-                  schedule=self.schedule_plan)
-        if self.saver is None:
-            self._saved(checkpoint.save(*args, **kw))
-            return time.perf_counter() - t0
-        self._saved(self.saver.wait())
-        path = self.saver.save(*args, before_publish=before_publish, **kw)
-        held = time.perf_counter() - t0
-        self.log(f"saving checkpoint {path} in the background (the loop held {held:.2f} s)")
-        return held
-
-    def prepare_saves(self) -> None:
-        """With --checkpoint-async, have the host copy that saves write from made beside
-        the next steps (BackgroundSaver.prepare); call on every rank once a step has run."""
-        if self.saver is not None:
-            self.saver.prepare(self.parts, self.optimizer, self.scheduler, self.loader, self._param_names())
-
-    def _saved(self, path: str | None) -> None:
-        if path is not None:
-            self.progress.saved = checkpoint.step_of(path)
-            self.log(f"saved checkpoint {path}")
-
-    def train(self, exit_after: int | None = None, on_step=None, before_publish=None, on_end=None) -> list[float]:
+    def train(self, exit_after: int | None = None, on_step=None, on_end=None) -> list[float]:
         """Train to --steps (or `exit_after` steps of this run); returns the losses.
-        `on_step(step)`, if given, runs before each step, `before_publish(step)` in the
-        background save's thread before a save is renamed into place (the command line's test
-        hooks), `on_end()` once the loop is over, before the closing line (the command line's
+        `on_step(step)`, if given, runs before each step (the command line's test hooks),
+        `on_end()` once the loop is over, before the closing line (the command line's
         measured-vs-predicted line)."""
         c, tr, ck = self.config, self.config.training, self.config.checkpoint
         if exit_after is not None and exit_after < 1:
@@ -409,7 +284,6 @@ class Trainer:
                  f"tokens, {self.microbatches} micro-batch{'es' if self.microbatches != 1 else ''} of "
                  f"{tr.micro_batch} | {self.loader.n_samples} samples"
                  + masked)
-        self.progress.saved = self.start if self.resume_from else None
         self.stragglers = Stragglers(tr.straggler_threshold, self.device)
         self.watchdog = Watchdog(self.progress, hang_timeout=tr.hang_timeout, pg_timeout=tr.pg_timeout,
                                  checkpoint_dir=ck.checkpoint_dir, metrics_file=tr.metrics_file,
@@ -433,14 +307,13 @@ class Trainer:
                       kept_pairs(inputs["documents"]) if inputs and "documents" in inputs else 1.0)
             losses.append(loss)   # a device tensor: reading it every step would sync the GPU
             if step == self.start + 1:   # the state is whole after a step
-                self.prepare_saves()
+                self.checkpoints.prepare()
             if step % tr.log_interval == 0 or step == tr.steps or step == self.start + 1:
                 self.progress.at("logging")
                 self.stragglers.interval(self.progress, step, self.log)
                 self._report(step, float(losses[-1]), float(norm), meter.report(), time.perf_counter() - t_start)
             evaluating = self.eval_loader is not None and (step % c.data.eval_interval == 0 or step == tr.steps)
-            saving = bool(ck.checkpoint_dir) and (step % ck.checkpoint_interval == 0 or step == tr.steps)
-            if (evaluating or saving or step == last or step - self.start <= WARMUP_STEPS) and \
+            if (evaluating or self.checkpoints.due(step) or step == last or step - self.start <= WARMUP_STEPS) and \
                     self.device.type == "cuda":   # the step's queued kernels are its time, not the next thing's
                 torch.cuda.synchronize(self.device)
             self.step_s.append(time.perf_counter() - t_step)
@@ -450,11 +323,7 @@ class Trainer:
                 self.run_log.record(step, {"eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 80))},
                                     f"eval {step:>6}/{tr.steps} | loss {eval_loss:.4f} | ppl "
                                     f"{math.exp(min(eval_loss, 80)):.2f}")
-            if saving:
-                self.progress.at("checkpoint")
-                self.save_checkpoint(step, before_publish)
-            elif self.saver is not None:
-                self._saved(self.saver.poll())
+            self.checkpoints.maybe_save(step)
         self.progress.at("finishing")   # not watched: the export, the last save's wait
         if ck.export_hf:   # no transformers class has meshtron's MoE block: those keep meshtron's names
             hf.export_safetensors(self.parts, ck.export_hf, mc, None if getattr(mc, "moe", None) else self.spec.hf)
@@ -474,24 +343,13 @@ class Trainer:
                 self.log(f"rank {r} stages {ids}: peak mem {mem:.2f} GiB{host}")
         if on_end is not None:
             on_end()
-        waited = self._finish_saves()   # its line, if any, then the closing one, which says it waited
+        waited = self.checkpoints.finish()   # its line, if any, then the closing one, which says it waited
         self._closing_line(losses, last, time.perf_counter() - t_start, waited)
         self.close()
         return [float(x) for x in losses]
 
-    def _finish_saves(self) -> str:
-        """Wait for the background save in flight (--checkpoint-async); what the closing
-        line says of it ("" without --checkpoint-async)."""
-        if self.saver is None or not self.saver.started:
-            return ""
-        writing, t0 = self.saver.in_flight, time.perf_counter()
-        self._saved(self.saver.wait())
-        if writing is None:
-            return " (every background save had finished)"
-        return f" (waited {time.perf_counter() - t0:.1f} s for the background save of {os.path.basename(writing)})"
-
     def _closing_line(self, losses: list, last: int, seconds: float, waited: str = "") -> None:
-        """What the run did and what it left behind, in one line; `waited`: _finish_saves'."""
+        """What the run did and what it left behind, in one line; `waited`: CheckpointManager.finish's."""
         c, done = self.config, last - self.start
         final = f"final loss {float(losses[-1]):.4f}" if losses else "no step run"
         final += self.stragglers.summary()
