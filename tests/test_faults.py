@@ -112,6 +112,7 @@ def _line_of(proc, lines: list, seen: dict, text: str) -> None:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads a process's state from /proc")
+@pytest.mark.slow
 def test_a_stopped_rank_ends_the_job_within_the_hang_timeout_naming_it(tmp_path):
     # rank 1 sends itself SIGSTOP before step 5; without the watchdog, rank 0 would wait out --pg-timeout
     ck = tmp_path / "ck"
@@ -156,6 +157,7 @@ def _stuck(rank, world, argv, how, error_file):
 
 
 @pytest.mark.parametrize("how", ["data", "collective"])
+@pytest.mark.fast_cases("collective")
 def test_a_rank_stuck_in_data_loading_or_in_a_collective_is_named(pools, tmp_path, how):
     argv = TINY + DP2 + ["--steps", "100000", "--hang-timeout", "3", "--checkpoint-dir", str(tmp_path / "ck")]
     with pytest.raises(RankError, match=r"died \(exit code 124\)"):   # the pool's group would wait 60 s
@@ -198,6 +200,7 @@ def _descendants(pid: int) -> list[int]:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads the lost node's processes from /proc")
+@pytest.mark.slow
 def test_a_job_that_loses_a_node_goes_on_with_half_the_world(pools, tmp_path):
     # Two agents ("nodes") of two ranks, an elastic rendezvous of 1 to 2 nodes. The survivor hosts it
     # (is_host=1): a cluster keeps its rendezvous endpoint on a node that stays. The other starts

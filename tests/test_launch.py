@@ -106,6 +106,7 @@ def test_forked_ranks_run_their_script_as_python_does(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("atexit")) == ["atexit1"]
 
 
+@pytest.mark.slow
 def test_one_process_and_more_omp_threads_start_a_fresh_interpreter(tmp_path):
     # as torchrun starts every rank, and OMP_NUM_THREADS as torchrun leaves it: one process
     # (unset), or threads of the user's (where a forked OpenMP pool could deadlock)
@@ -130,6 +131,7 @@ def test_a_forked_rank_that_raises_fails_the_job_in_one_line(tmp_path):
     assert not [line for line in err if "launch.py" in line or "Terminating process" in line], err
 
 
+@pytest.mark.slow
 def test_forked_ranks_run_the_meshtron_their_script_imports(tmp_path):
     # issue 57, point 1: torchrun's ranks, new interpreters, import the recipe's own checkout (first on its
     # sys.path); ranks forked from a server that had imported the launcher's meshtron ran that one instead
@@ -141,6 +143,7 @@ def test_forked_ranks_run_the_meshtron_their_script_imports(tmp_path):
     assert runs == [f"the copy's cli, as copied, attempt 0, rank {r}" for r in (0, 1)], out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_a_restarted_attempt_runs_the_code_as_edited(tmp_path):
     # the fork server outlives an attempt: the next one's ranks, forked from it, must read meshtron's files
     # as they are now, as torchrun's new interpreters do
@@ -154,6 +157,7 @@ def test_a_restarted_attempt_runs_the_code_as_edited(tmp_path):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="ranks are forked on Linux only")
+@pytest.mark.slow
 def test_forked_ranks_end_with_a_killed_agent(tmp_path):
     # SIGKILL the agent alone: its server sees the agent gone and ends, and each rank
     # follows its parent (prctl): nothing is left training

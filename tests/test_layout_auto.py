@@ -45,6 +45,7 @@ def test_dry_run_prints_the_budget_the_choice_and_a_command_naming_each_flag_onc
     assert len(flags) == len(set(flags)), command
 
 
+@pytest.mark.slow
 def test_four_cpu_ranks_skip_a_failed_trial_and_train_with_the_fastest_measured(tmp_path):
     # the first candidate fails on rank 1 alone before its second step, while ranks 0, 2 and 3 wait in its
     # collectives: they are stopped, the table says so, and the job goes on to the next candidate
@@ -192,6 +193,7 @@ def test_a_trial_whose_peak_passes_the_memory_limit_is_not_chosen(world_of_one, 
     assert records.read("cpu")[0]["step_ms"] > 0   # measured all the same, for the next plan
 
 
+@pytest.mark.slow
 def test_the_closing_line_times_the_training_steps_alone(monkeypatch, tmp_path, capsys):
     # with --checkpoint-interval 1 it read -98%: the saves were timed as steps
     from meshtron.cli import train as cli

@@ -9,6 +9,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(ROOT, "meshtron")
 
@@ -140,6 +142,7 @@ def test_the_trainers_file_holds_the_trainer_only():
     assert defined == ["Trainer"], defined
 
 
+@pytest.mark.slow
 def test_importing_meshtron_and_a_transformers_model_prints_nothing():
     # issue 36: torchao's CPU-machine load messages, once per rank, whenever transformers loads a model class
     out = subprocess.run([sys.executable, "-c", "import meshtron; from transformers import LlamaForCausalLM"],
@@ -229,6 +232,7 @@ print(torch.equal(layer_norm(x, w, w, 1e-5), F.layer_norm(x, (8,), w, w, 1e-5)))
 """
 
 
+@pytest.mark.slow
 def test_a_cpu_run_trains_without_triton_and_meshtron_never_asks_for_it():
     # issue 57, point 6: with triton not installed a training step runs, nothing of meshtron asks for
     # triton on the way (the models load the kernels only for CUDA tensors), and the kernels, loaded,
