@@ -7,6 +7,11 @@ into Replicate ones and their all-reduce over tp never ran. The real step starts
 from none (zero_grad), and gloo counts that all-reduce as the planner does."""
 import dataclasses
 import itertools
+import json
+import os
+import pickle
+import subprocess
+import sys
 
 import pytest
 
@@ -35,17 +40,56 @@ def _layouts():
               "--global-batch", "32", "--dtype", "fp32"]
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXTRA = ["--steps", "1", "--max-norm", "1.0"]
+
+_COUNT = """
+import json, pickle, sys
+from meshtron.config import Config
+from meshtron.models import PRESETS
+from meshtron.planner import dry_run
+out = {}
+for world, argv in json.loads(sys.argv[1]):
+    config = Config.from_args(argv, models=PRESETS).on_device("cuda")
+    out[world, tuple(argv)] = {rank: dry_run.dry_run_rank(config, world, rank)[1] for rank in (0, world - 1)}
+sys.stdout.buffer.write(pickle.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def dry_counts(request):
+    """(world, argv) -> {rank: the dry run's collectives} for the first and the last rank (the first
+    stage and the last, where the embedding and the head sit) of every layout this session tests,
+    from two processes at once, half the layouts each: a dry run is one thread, the machine has two
+    cores, and the llama-1B layouts take seconds a rank."""
+    tested = [(item.callspec.params["world"], item.callspec.params["argv"] + EXTRA) for item in request.session.items
+              if "dry_counts" in getattr(item, "fixturenames", ()) and hasattr(item, "callspec")]
+    procs = [subprocess.Popen([sys.executable, "-c", _COUNT, json.dumps(half)], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) for half in (tested[0::2], tested[1::2]) if half]
+    results = {}
+
+    def get(world, argv):
+        if not results:
+            for proc in procs:
+                out, err = proc.communicate(timeout=900)
+                assert proc.returncode == 0, err.decode()[-3000:]
+                results.update(pickle.loads(out))
+        return results[world, tuple(argv)]
+    yield get
+    for proc in procs:
+        proc.kill()
+
+
 @pytest.mark.parametrize("world,argv", list(_layouts()), ids=lambda v: " ".join(v).replace("--", "")
                          if isinstance(v, list) else str(v))
 @pytest.mark.fast_cases("4-model tiny pp 2 tp 2 dp 1 sp pp-schedule 1f1b global-batch 4 micro-batch 1 dtype fp32 "
                         "seq-len 16")
-def test_the_dry_runs_collectives_equal_the_planners_under_pipeline_tp_and_sp(world, argv):
+def test_the_dry_runs_collectives_equal_the_planners_under_pipeline_tp_and_sp(dry_counts, world, argv):
     # the dry run's own resolution: the run it stands for is a GPU one
-    config = Config.from_args(argv + ["--steps", "1", "--max-norm", "1.0"], models=PRESETS).on_device("cuda")
+    config = Config.from_args(argv + EXTRA, models=PRESETS).on_device("cuda")
     spec, cfg, degrees, microbatches, _ = resolve_layout(config, world)
     par, tr = dataclasses.replace(config.parallel, **degrees), config.training
-    for rank in (0, world - 1):   # the first stage and the last, where the embedding and the head sit
-        _, counted = dry_run.dry_run_rank(config, world, rank)
+    for rank, counted in dry_counts(world, argv + EXTRA).items():
         _, planned = step_collectives(spec, cfg, par, tr.micro_batch, microbatches, tr.seq_len, rank, device="cpu")
         assert counted == planned, f"rank {rank}: {dry_run.differences(counted, planned)}"
 
