@@ -94,7 +94,7 @@ def _zero(mesh: DeviceMesh, config: LayoutOptions) -> int | None:
     n = degree(mesh, "dense_dp")
     if autocast_dtype(mesh, config.dtype, config.mixed_precision) is not None:
         return None
-    if n > 1 or (config.dtype or default_dtype(mesh.device_type, config.fp8)) != "fp32":
+    if n > 1 or (config.dtype or default_dtype(mesh.device_type)) != "fp32":
         return config.zero if n > 1 else 1   # nothing to shard over
     return None
 
@@ -117,7 +117,7 @@ def apply_dp(model: nn.Module, mesh: DeviceMesh, config: LayoutOptions, blocks: 
         return
     zero = _zero(mesh, config)
     if zero is not None:
-        dtype = config.dtype or default_dtype(mesh.device_type, config.fp8)
+        dtype = config.dtype or default_dtype(mesh.device_type)
         apply_fsdp(model, mesh, blocks, zero, config.hsdp, dtype, config.reduce_dtype, experts, dp_mesh)
         if config.cuda_graphs:   # the graphs read the gathered weights where they recorded them
             cuda_graphs.keep_gathered(model)
