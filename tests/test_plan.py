@@ -314,8 +314,12 @@ def test_calibrate_writes_a_file_the_planner_reads(tmp_path):
     assert 0 < hw.matmul_efficiency and 0 < hw.attention_efficiency and hw.hbm_bandwidth > 0
     # no link on one CPU
     assert data["measured"] == ["matmul_efficiency", "matmul_curve", "attention_efficiency", "attention_curve",
-                                "hbm_bandwidth",
-                                "host_microbatch_s", "host_layer_s", "host_layer_full_s", "host_layer_selective_s"]
+                                "hbm_bandwidth", "matmul_dtype_ratio", "attention_fp32_ratio",
+                                "host_microbatch_s", "host_layer_s", "host_layer_full_s", "host_layer_selective_s",
+                                "host_layers"]
+    # what it measured is what the planner reads: fp32's rate and each family's host time per layer
+    assert hw.dtype_ratio("fp32") == data["matmul_dtype_ratio"][0][1] > 0
+    assert {(f, r) for f, r, _ in hw.host_layers} >= {("llama", "none"), ("gpt", "none"), ("moe", "none")}
     assert [t for t, _ in hw.matmul_curve] == [256, 1024] and hw.matmul_at(512) > 0
     assert [(hd, s) for hd, s, _ in hw.attention_curve] == [(8, 64), (8, 128), (16, 64), (16, 128)]
     assert all(e > 0 for *_, e in hw.attention_curve)
@@ -342,8 +346,10 @@ def test_attention_efficiency_follows_the_nearest_head_dims_curve_over_the_seque
 
 def test_eager_host_time_follows_the_recompute_mode_and_compiling_removes_it():
     hw = dataclasses.replace(plan.GPUS["h200"], host_microbatch_s=0.0, host_layer_s=1e-3, host_layer_full_s=2e-3,
-                             host_layer_selective_s=1.0)
+                             host_layer_selective_s=1.0, host_layers=())
     assert [hw.host_layer(m) for m in ("none", "full", "selective")] == [1e-3, 2e-3, 1.0]
+    # a family's own measurement wins over the plain one
+    assert dataclasses.replace(hw, host_layers=(("gpt", "selective", 0.5),)).host_layer("selective", "gpt") == 0.5
     assert dataclasses.replace(hw, host_layer_full_s=0.0).host_layer("full") == 1e-3   # not measured: the plain one
     spec, cfg = models.get("tiny")
 
