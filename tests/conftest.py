@@ -80,6 +80,7 @@ def pytest_runtest_protocol(item, nextitem):
     if not path or not os.path.exists("/proc/stat"):
         yield
         return
+    import gc
     import json
     import time
     hz = os.sysconf("SC_CLK_TCK")
@@ -89,4 +90,5 @@ def pytest_runtest_protocol(item, nextitem):
     with open(path, "a") as f:
         f.write(json.dumps({"test": item.nodeid, "wall_s": round(t1 - t0, 2), "busy_cpu_s": (busy1 - busy0) / hz,
                             "idle_cpu_s": (idle1 - idle0) / hz, "end": round(time.time(), 1),
+                            "objects": len(gc.get_objects()),   # the heap a pool forked now would inherit
                             "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}) + "\n")

@@ -19,6 +19,7 @@ kill), never through that teardown; the recipe skips it the same way
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import functools
 import gc
 import io
@@ -50,8 +51,14 @@ def _worker(rank: int, world_size: int, store_path: str, conn) -> None:
     # processes of its own (--checkpoint-async's writer), which multiprocessing refuses
     # a daemon. They end with the rank.
     mp.current_process().daemon = False
+    # what the parent holds (all the suite ran in it so far) is no garbage of this rank's:
+    # left to the collector, each full collection walked it all, a thousandfold slowdown
+    # of a check late in the suite
+    gc.freeze()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    # a check that outlasts its timeout shows where each rank is: the pool asks for the stacks
+    faulthandler.register(signal.SIGUSR1, file=open(f"{store_path}.stacks{rank}", "w"), all_threads=True)
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, store=store,
                             timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
@@ -95,7 +102,7 @@ class WorkerPool:
         self.world_size = world_size
         ctx = mp.get_context("fork")
         self._tmp = tempfile.mkdtemp(prefix=f"meshtron-pool{world_size}-")
-        store_path = os.path.join(self._tmp, "store")
+        store_path = self._store_path = os.path.join(self._tmp, "store")
         self.conns, self.procs = [], []
         for r in range(world_size):
             parent, child = ctx.Pipe()
@@ -114,7 +121,8 @@ class WorkerPool:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"{fn.__name__} on {self.world_size} ranks: ranks {sorted(pending)} "
-                                   f"did not finish in {timeout:.0f} s" + _first_error(errors))
+                                   f"did not finish in {timeout:.0f} s" + _first_error(errors)
+                                   + self._stacks(sorted(pending)))
             for r in sorted(pending):
                 if self.conns[r].poll(min(left, 0.05)):
                     try:
@@ -136,6 +144,19 @@ class WorkerPool:
         if errors:
             raise RankError(f"{fn.__name__} failed on ranks {sorted(errors)}" + _first_error(errors))
         return results
+
+    def _stacks(self, ranks: list[int]) -> str:
+        """Where `ranks` are now: each one's Python stacks, every thread."""
+        for r in ranks:
+            if self.procs[r].is_alive():
+                os.kill(self.procs[r].pid, signal.SIGUSR1)
+        time.sleep(1)
+        text = ""
+        for r in ranks:
+            with open(f"{self._store_path}.stacks{r}") as f:   # pytest's frames, forked with the rank, left out
+                lines = [x for x in f.read().splitlines() if not any(p in x for p in _PYTEST_FRAMES)]
+            text += f"\n--- rank {r} stacks ---\n" + "\n".join(lines)[-8000:]
+        return text
 
     def pause(self) -> None:
         """SIGSTOP the idle ranks (`resume` continues them). A live gloo group keeps a
@@ -159,6 +180,9 @@ class WorkerPool:
                 p.kill()
         for p in self.procs:
             p.join(timeout=5)
+
+
+_PYTEST_FRAMES = ("/_pytest/", "/pluggy/", "<frozen runpy>", "/pytest/__main__.py")
 
 
 def _first_error(errors: dict) -> str:
@@ -233,6 +257,7 @@ def run_script(argv: list[str], env: dict | None = None, cwd: str | None = None,
     pid = os.fork()
     if pid == 0:   # the child: never returns into pytest
         code = 1
+        gc.freeze()   # as a pool's rank does
         try:
             os.dup2(out_w, 1)
             os.dup2(err_w, 2)

@@ -277,6 +277,20 @@ def test_the_dry_run_command_prints_the_planners_bytes_for_large_layouts(argv, w
     assert all(c.endswith("planner equal") for c in counted), out.stdout   # at 64 ranks too
 
 
+def test_the_dry_run_prints_where_sys_stdout_points_when_it_runs():
+    # not where it pointed when meshtron was imported: a script forked from a process that
+    # imported it under another stdout (a test runner's capture) printed its table there
+    import contextlib
+    import io
+
+    from meshtron.config import Config
+    from meshtron.planner.dry_run import dry_run
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        dry_run(Config.from_args(["--model", "tiny", "--tp", "2"]), 2, [1])
+    assert out.getvalue().startswith("dry run: tiny") and "planner equal" in out.getvalue(), out.getvalue()
+
+
 def test_the_dry_run_refuses_a_bad_layout_before_building_anything():
     out = run_script(["recipes/train.py", "--model", "llama-8B", "--tp", "3", "--dry-run", "64"], timeout=120, cwd=ROOT)
     assert out.returncode == 1 and "does not divide the world size 64" in out.stderr and "rank" not in out.stdout

@@ -90,6 +90,9 @@ def _kept(name: str, layers: int, batch: int, options: dict) -> tuple[int, int]:
     from harness import mesh
     spec, preset = models.get(name)
     model = spec.model_cls(dataclasses.replace(preset, n_layers=layers), seed=0)
+    # dynamo's caches outlive a check on a pool rank: a block an earlier check compiled (under
+    # another backend, dtype or FP8 recipe) would answer for this one
+    torch._dynamo.reset()
     compile_ = torch.nn.Module.compile
     # inductor's decompositions and min-cut partitioner, run eagerly: what a compiled block saves
     torch.nn.Module.compile = lambda self, **kw: compile_(self, backend="aot_eager_decomp_partition")

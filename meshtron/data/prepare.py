@@ -59,9 +59,11 @@ def _encode(args):
 
 
 def prepare(paths: list[str], prefix: str, tokenizer: str | None = None, workers: int = 1, field: str = "text",
-            eot: bool = True, progress=sys.stderr) -> tuple[int, int]:
+            eot: bool = True, progress=True) -> tuple[int, int]:
     """Write PREFIX.bin/.idx; returns (documents, tokens). A directory in `paths` stands
-    for every file under it, as --data reads it."""
+    for every file under it, as --data reads it. progress: a stream, True for the
+    sys.stderr of the moment, or None for none."""
+    progress = sys.stderr if progress is True else progress
     paths = [f for path in paths for f in text_files(path)]
     tok = load_tokenizer(tokenizer)
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)

@@ -21,12 +21,14 @@ first stage (GPipe keeps all m), which a test measures.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
 from dataclasses import dataclass, field
 
 import torch
+import torch._functorch.config as functorch_config
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
@@ -210,12 +212,12 @@ class Pipeline:
                 _keep_buffers_through_shape_inference(stage)
             stages.append(stage)
         cls = SCHEDULES[self.schedule_name]
-        if self.schedule_name in SPLIT_BACKWARD:
-            # these run each micro-batch's backward in two passes (input, then weight
-            # gradients) over a retained graph; a compiled block must keep its saved
-            # buffers for the second (functorch's switch is process-wide)
-            import torch._functorch.config as functorch_config
-            functorch_config.donated_buffer = False
+        # the split-backward schedules run each micro-batch's backward in two passes (input,
+        # then weight gradients) over a retained graph: a block compiled in their steps must
+        # keep its saved buffers for the second. functorch's switch is process-wide, so it is
+        # set for this pipeline's steps only.
+        self._compile_options = contextlib.nullcontext if self.schedule_name not in SPLIT_BACKWARD else \
+            functools.partial(functorch_config.patch, donated_buffer=False)
         self.loss_fn, self.stage_kwargs = loss_fn, dict(stage_kwargs or {})
         self.schedule = cls(stages if self.schedule_name in MULTI_STAGE else stages[0], self.microbatches,
                             loss_fn=self._scaled_loss, scale_grads=False)
@@ -239,7 +241,8 @@ class Pipeline:
         args = (x.contiguous(),) if self.has_first else ()
         kwargs = {"target": y, "losses": losses, **self._step_options} if self.has_last else {}
         inputs = {k: t.contiguous() for k, t in (inputs or {}).items()}
-        self.schedule.step(*args, **kwargs, **self._ids(x), **inputs, **self.stage_kwargs)
+        with self._compile_options():
+            self.schedule.step(*args, **kwargs, **self._ids(x), **inputs, **self.stage_kwargs)
         self.tied.sum_grads(self._by_stage(), reduce_partial_grads)
         losses = [(t.full_tensor() if isinstance(t, DTensor) else t).detach().float() for t in losses]
         return torch.stack(losses).sum() if losses else torch.zeros((), device=x.device)

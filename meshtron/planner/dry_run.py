@@ -130,9 +130,11 @@ def differences(counted: dict, planned: dict, skip=()) -> str:
                      for k in keys if counted.get(k) != planned.get(k))
 
 
-def dry_run(config, world: int, ranks: list[int] | None = None, out=sys.stdout) -> list[dict[str, int]]:
+def dry_run(config, world: int, ranks: list[int] | None = None, out=None) -> list[dict[str, int]]:
     """Build `config`'s layout as each of `ranks` (all of them by default) of a
-    world of `world`, print its bytes against the planner's, and return them."""
+    world of `world`, print its bytes against the planner's (to `out`, the
+    sys.stdout of the moment by default), and return them."""
+    out = out or sys.stdout
     if dist.is_initialized():
         raise RuntimeError("--dry-run runs on one process, outside torchrun")
     config = config.on_device("cuda")

@@ -66,6 +66,21 @@ def test_pipeline_parity(pools, degrees, schedule, v, m, pcfg):
     assert len(worst.losses) == 3
 
 
+def _compiled_split_backward(rank, world):
+    import torch._functorch.config as functorch_config
+    results = _pp_parity(rank, world, dict(dp=1, pp=2), "zbv", 2, 4, dict(compile=True))
+    return results, functorch_config.donated_buffer
+
+
+@pytest.mark.slow
+def test_a_compiled_split_backward_pipeline_trains_and_leaves_functorchs_switch_alone(pools):
+    # the second backward pass runs over the saved buffers the first one kept; the switch that
+    # keeps them is the pipeline's, for its steps, not the process's for good
+    out = pools.run(2, _compiled_split_backward, timeout=300)
+    assert [donated for _, donated in out] == [True, True]
+    assert len(assert_parity([results for results, _ in out], tol=1e-5).losses) == 3
+
+
 TIED = gpt_config("tiny", n_layers=8, tie_embeddings=True)
 
 
