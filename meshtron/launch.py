@@ -96,6 +96,8 @@ def run_script(path: str, *argv: str) -> None:
     for sig in (signal.SIGTERM, signal.SIGHUP):    # the agent's stop, and a stopped rank's end: SIGCONT lets
         signal.signal(sig, lambda s, _: (os.kill(pid, s), os.kill(pid, signal.SIGCONT)))   # it take the signal
     code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    for sig in (signal.SIGTERM, signal.SIGHUP):    # the script is gone: the agent's stop ends this process,
+        signal.signal(sig, signal.SIG_DFL)         # not a handler passing it to a reaped pid
     if code < 0:                                   # ended by a signal: end by the same one
         with contextlib.suppress(OSError, ValueError):   # SIGKILL's action is the default already
             signal.signal(-code, signal.SIG_DFL)

@@ -20,6 +20,7 @@ How a block is run (see docs/testing.md):
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import glob
@@ -180,21 +181,53 @@ def run_params():
             yield pytest.param(b, id=block_id(b), marks=marks)
 
 
-@pytest.mark.parametrize("block", list(run_params()))
-@pytest.mark.slow
-def test_block_runs(block: Block, workdirs):
-    cwd = workdirs(block.page)
+def run_block(block: Block, cwd: str) -> subprocess.CompletedProcess:
     path = [d for d in os.environ["PATH"].split(os.pathsep) if os.path.abspath(d) != BIN]
     env = dict(os.environ, PATH=os.pathsep.join(path), OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     env.pop("TRITON_INTERPRET", None)    # conftest's, for the kernels' tests; the commands run as a user's would
     port = str(free_port())              # torchrun's and the one-process recipe's default ports may be taken
     env.update(PET_MASTER_PORT=port, MASTER_PORT=port)
-    out = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", as_run(block)], cwd=cwd, env=env,
-                         capture_output=True, text=True, timeout=900)
+    return subprocess.run(["bash", "-e", "-o", "pipefail", "-c", as_run(block)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def block_runs(request, workdirs):
+    """The runs of the blocks this session selected, started at once: each page's blocks in
+    order in its directory, two pages at a time. Most commands keep one core busy (a
+    one-process recipe, the tokenizer, the planner's fit), so one block at a time left the
+    other core idle for most of the module. Returns a block's finished run."""
+    chosen = [item.callspec.params["block"] for item in request.session.items
+              if item.originalname == "test_block_runs" and not item.get_closest_marker("skip")]
+    pages: dict[str, list[Block]] = {}
+    for b in chosen:
+        pages.setdefault(b.page, []).append(b)
+    cwds = {page: workdirs(page) for page in pages}
+    runs = {(b.page, b.line): concurrent.futures.Future() for b in chosen}
+
+    def run_page(page: str) -> None:
+        for b in pages[page]:
+            run = runs[b.page, b.line]
+            try:
+                run.set_result(run_block(b, cwds[page]))
+            except BaseException as e:  # noqa: BLE001 - the block's test raises it
+                run.set_exception(e)
+
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    for page in pages:
+        pool.submit(run_page, page)
+    yield lambda b: runs[b.page, b.line].result()
+    pool.shutdown(cancel_futures=True)
+
+
+@pytest.mark.parametrize("block", list(run_params()))
+@pytest.mark.slow
+def test_block_runs(block: Block, block_runs, workdirs):
+    out = block_runs(block)
     assert out.returncode == 0, f"{block_id(block)}\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
     if "check" in block.attrs:
-        CHECKS[block.attrs["check"]](out.stdout, cwd)
+        CHECKS[block.attrs["check"]](out.stdout, workdirs(block.page))
 
 
 # a program given arguments where a command starts: a line's start, after env assignments,

@@ -90,9 +90,6 @@ def _kept(name: str, layers: int, batch: int, options: dict) -> tuple[int, int]:
     from harness import mesh
     spec, preset = models.get(name)
     model = spec.model_cls(dataclasses.replace(preset, n_layers=layers), seed=0)
-    # dynamo's caches outlive a check on a pool rank: a block an earlier check compiled (under
-    # another backend, dtype or FP8 recipe) would answer for this one
-    torch._dynamo.reset()
     compile_ = torch.nn.Module.compile
     # inductor's decompositions and min-cut partitioner, run eagerly: what a compiled block saves
     torch.nn.Module.compile = lambda self, **kw: compile_(self, backend="aot_eager_decomp_partition")
@@ -121,6 +118,9 @@ def _kept(name: str, layers: int, batch: int, options: dict) -> tuple[int, int]:
 def _per_token(rank, world, name: str, options: dict) -> tuple[float, float]:
     """A layer's kept bytes per token, (hooks, alive): the 2-layer model's over the 1-layer
     one's, per token added (the weights' bf16 copies and RoPE's tables do not grow with it)."""
+    # dynamo's caches outlive a check on a pool rank: a block an earlier check compiled (under
+    # another backend, dtype or FP8 recipe) would answer for this one
+    torch._dynamo.reset()
     kept = {(n, b): _kept(name, n, b, options) for n in (1, 2) for b in (2, 4)}
     return tuple((kept[2, 4][i] - kept[1, 4][i] - kept[2, 2][i] + kept[1, 2][i]) / (2 * 32) for i in (0, 1))
 
