@@ -93,11 +93,23 @@ def run_script(path: str, *argv: str) -> None:
         _forget_meshtron()
         os._exit(_run_as_main(path, argv))
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a terminal's ^C reaches the script itself
-    for sig in (signal.SIGTERM, signal.SIGHUP):    # the agent's stop, and a stopped rank's end: SIGCONT lets
-        signal.signal(sig, lambda s, _: (os.kill(pid, s), os.kill(pid, signal.SIGCONT)))   # it take the signal
+    stops = []
+
+    def forward(sig, _):   # the agent's stop, and a stopped rank's end: SIGCONT lets it take the signal
+        stops.append(sig)
+        with contextlib.suppress(ProcessLookupError):   # the script ended as the signal came
+            os.kill(pid, sig)
+            os.kill(pid, signal.SIGCONT)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, forward)
     code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    for sig in (signal.SIGTERM, signal.SIGHUP):    # the script is gone: the agent's stop ends this process,
-        signal.signal(sig, signal.SIG_DFL)         # not a handler passing it to a reaped pid
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    if stops and code >= 0:
+        # the agent stopped this rank (another failed) while its script was ending on its own, or
+        # the script took the signal as a request: returning would leave this process waiting for
+        # the agent's all-finished event, which never comes, until the agent kills it 30 s later
+        code = -stops[0]
     if code < 0:                                   # ended by a signal: end by the same one
         with contextlib.suppress(OSError, ValueError):   # SIGKILL's action is the default already
             signal.signal(-code, signal.SIG_DFL)

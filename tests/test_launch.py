@@ -213,3 +213,30 @@ def test_the_server_starts_early_only_where_the_ranks_are_forked(monkeypatch, ar
     if torchrun.determine_local_world_size(args.nproc_per_node) > 1:   # what main sets, where torchrun would
         monkeypatch.setenv("OMP_NUM_THREADS", threads or "1")
     assert launch.forks_ranks(args) or not early
+
+
+_TAKES_SIGTERM_AS_A_REQUEST = """import os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: None)   # a script that finishes its step on SIGTERM, then exits 0
+open(sys.argv[1], "w").close()
+time.sleep(1.0)
+os._exit(0)
+"""
+
+
+def test_a_rank_the_agent_stopped_ends_by_the_signal_even_where_its_script_exits_0(tmp_path):
+    # the agent stops the other ranks when one fails; a rank whose script then ends with 0 (it took
+    # SIGTERM as a request, or was ending anyway: the recipe's other ranks exit 0 on an error rank 0
+    # reports) returned into torch's worker wrapper, which waits for the agent's all-finished event:
+    # the job's one line came after the agent's 30 s grace
+    import multiprocessing as mp
+
+    from meshtron.launch import run_script
+    script, started = tmp_path / "script.py", tmp_path / "started"
+    script.write_text(_TAKES_SIGTERM_AS_A_REQUEST)
+    rank = mp.get_context("fork").Process(target=run_script, args=(str(script), str(started)))
+    rank.start()
+    while not started.exists():
+        time.sleep(0.02)
+    os.kill(rank.pid, signal.SIGTERM)
+    rank.join(30)
+    assert rank.exitcode == -signal.SIGTERM
