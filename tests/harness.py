@@ -23,9 +23,11 @@ import faulthandler
 import functools
 import gc
 import io
+import json
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import runpy
 import selectors
 import signal
@@ -51,9 +53,9 @@ def _worker(rank: int, world_size: int, store_path: str, conn) -> None:
     # processes of its own (--checkpoint-async's writer), which multiprocessing refuses
     # a daemon. They end with the rank.
     mp.current_process().daemon = False
-    # what the parent holds (all the suite ran in it so far) is no garbage of this rank's:
-    # left to the collector, each full collection walked it all, a thousandfold slowdown
-    # of a check late in the suite
+    # what the parent holds (all the suite ran in it so far) is no garbage of this rank's: left
+    # to the collector, a check late in the suite ran past its 120 s timeout, its ranks' stacks
+    # inside the collector, where it takes 0.56 s alone
     gc.freeze()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -316,3 +318,44 @@ def run_script(argv: list[str], env: dict | None = None, cwd: str | None = None,
     _, status = os.waitpid(pid, 0)
     out, err = (b"".join(chunks[fd]).decode(errors="replace") for fd in (out_r, err_r))
     return subprocess.CompletedProcess(argv, os.waitstatus_to_exitcode(status), out, err)
+
+
+# ---- dry runs beside the tests that compare with them ------------------------
+
+_DRY_RUNS = """
+import json, pickle, sys
+from meshtron.config import Config
+from meshtron.models import PRESETS
+from meshtron.planner import dry_run
+out = {}
+for world, argv, ranks, device in json.loads(sys.argv[1]):
+    config = Config.from_args(argv, models=PRESETS)
+    config = config.on_device(device) if device else config
+    out[world, tuple(argv)] = {rank: dry_run.dry_run_rank(config, world, rank) for rank in ranks}
+sys.stdout.buffer.write(pickle.dumps(out))
+"""
+
+
+class DryRuns:
+    """The dry runs (meshtron.planner.dry_run) of `layouts`, each (world, argv, ranks, device: the
+    device the dry run resolves its defaults for, or None for the CPU's), in two processes started
+    at once, half the layouts each: a dry run is one thread, the machine has two cores, and the
+    tests run beside them. Called with (world, argv): {rank: (state bytes, collectives)}."""
+
+    def __init__(self, layouts: list[tuple[int, list[str], list[int], str | None]], cwd: str):
+        self.procs = [subprocess.Popen([sys.executable, "-c", _DRY_RUNS, json.dumps(half)], cwd=cwd,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                      for half in (layouts[0::2], layouts[1::2]) if half]
+        self.results = {}
+
+    def __call__(self, world: int, argv: list[str]) -> dict:
+        if not self.results:
+            for proc in self.procs:
+                out, err = proc.communicate(timeout=900)
+                assert proc.returncode == 0, err.decode()[-3000:]
+                self.results.update(pickle.loads(out))
+        return self.results[world, tuple(argv)]
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.kill()

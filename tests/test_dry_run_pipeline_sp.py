@@ -7,11 +7,7 @@ into Replicate ones and their all-reduce over tp never ran. The real step starts
 from none (zero_grad), and gloo counts that all-reduce as the planner does."""
 import dataclasses
 import itertools
-import json
 import os
-import pickle
-import subprocess
-import sys
 
 import pytest
 
@@ -20,6 +16,8 @@ from meshtron.models import PRESETS
 from meshtron.planner import dry_run
 from meshtron.planner.comm_model import step_collectives
 from meshtron.train.layout import resolve_layout
+
+from harness import DryRuns
 
 
 def _layouts():
@@ -43,41 +41,17 @@ def _layouts():
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXTRA = ["--steps", "1", "--max-norm", "1.0"]
 
-_COUNT = """
-import json, pickle, sys
-from meshtron.config import Config
-from meshtron.models import PRESETS
-from meshtron.planner import dry_run
-out = {}
-for world, argv in json.loads(sys.argv[1]):
-    config = Config.from_args(argv, models=PRESETS).on_device("cuda")
-    out[world, tuple(argv)] = {rank: dry_run.dry_run_rank(config, world, rank)[1] for rank in (0, world - 1)}
-sys.stdout.buffer.write(pickle.dumps(out))
-"""
-
 
 @pytest.fixture(scope="module")
 def dry_counts(request):
     """(world, argv) -> {rank: the dry run's collectives} for the first and the last rank (the first
     stage and the last, where the embedding and the head sit) of every layout this session tests,
-    from two processes at once, half the layouts each: a dry run is one thread, the machine has two
-    cores, and the llama-1B layouts take seconds a rank."""
+    resolved as on the GPU run they stand for (the llama-1B layouts take seconds a rank)."""
     tested = [(item.callspec.params["world"], item.callspec.params["argv"] + EXTRA) for item in request.session.items
               if "dry_counts" in getattr(item, "fixturenames", ()) and hasattr(item, "callspec")]
-    procs = [subprocess.Popen([sys.executable, "-c", _COUNT, json.dumps(half)], cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE) for half in (tested[0::2], tested[1::2]) if half]
-    results = {}
-
-    def get(world, argv):
-        if not results:
-            for proc in procs:
-                out, err = proc.communicate(timeout=900)
-                assert proc.returncode == 0, err.decode()[-3000:]
-                results.update(pickle.loads(out))
-        return results[world, tuple(argv)]
-    yield get
-    for proc in procs:
-        proc.kill()
+    runs = DryRuns([(world, argv, [0, world - 1], "cuda") for world, argv in tested], ROOT)
+    yield lambda world, argv: {rank: counted for rank, (_, counted) in runs(world, argv).items()}
+    runs.close()
 
 
 @pytest.mark.parametrize("world,argv", list(_layouts()), ids=lambda v: " ".join(v).replace("--", "")

@@ -6,8 +6,6 @@ import dataclasses
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,7 +16,7 @@ from meshtron.config import ParallelConfig
 from meshtron.distributed.mesh import resolve_degrees
 from meshtron.planner import cli, plan
 
-from harness import run_script
+from harness import DryRuns, run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # fp32: the real runs beside the dry runs are CPU ones (the dry run alone would stand for a GPU's bf16)
@@ -100,20 +98,6 @@ DRY_ONLY = {
 }
 
 
-_DRY_RUN = """
-import json, sys
-from meshtron.planner import dry_run
-from meshtron.config import Config
-from meshtron.models import PRESETS
-out = []
-for world, argv, played in json.loads(sys.argv[1]):
-    c = Config.from_args(argv, models=PRESETS)
-    ranks = [dry_run.dry_run_rank(c, world, r) for r in played]
-    out.append([[state, {" ".join(k): v for k, v in count.items()}] for state, count in ranks])
-print(json.dumps(out))
-"""
-
-
 def played(world: int) -> list[int]:
     """The ranks the dry run plays: the first and the last, which hold every axis's first and
     last coordinate (the first and the last pipeline stage, the smaller of uneven shards). A
@@ -124,28 +108,14 @@ def played(world: int) -> list[int]:
 @pytest.fixture(scope="module")
 def dry_runs(request):
     """(world, argv) -> {rank: [state bytes, collectives]} for the `played` ranks of every
-    layout below that this session tests (the fast tier: a few; meshtron.planner.dry_run),
-    from one process started at once and running beside the real runs."""
+    layout below that this session tests (the fast tier: a few), running beside the real runs."""
     tested = {(item.callspec.params["world"], tuple(item.callspec.params["argv"])) for item in request.session.items
               if "dry_runs" in getattr(item, "fixturenames", ()) and hasattr(item, "callspec")}
-    layouts = [(w, a + ARGS, played(w)) for table in (LAYOUTS, DRY_ONLY) for w, group in table.items()
-               for a in group if (w, tuple(a)) in tested]
-    # two processes, half the layouts each: a dry run is one thread, and the machine has two cores
-    halves = [layouts[0::2], layouts[1::2]]
-    procs = [subprocess.Popen([sys.executable, "-c", _DRY_RUN, json.dumps(half)], cwd=ROOT, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for half in halves]
-    results = {}
-
-    def get(world, argv):
-        if not results:
-            for half, proc in zip(halves, procs):
-                out, err = proc.communicate(timeout=900)
-                assert proc.returncode == 0, err[-3000:]
-                results.update({(w, tuple(a)): dict(zip(ranks, r)) for (w, a, ranks), r in zip(half, json.loads(out))})
-        return results[(world, tuple(argv))]
-    yield get
-    for proc in procs:
-        proc.kill()
+    runs = DryRuns([(w, a + ARGS, played(w), None) for table in (LAYOUTS, DRY_ONLY) for w, group in table.items()
+                    for a in group if (w, tuple(a)) in tested], ROOT)
+    named = lambda counts: {" ".join(k): v for k, v in counts.items()}  # noqa: E731
+    yield lambda world, argv: {rank: (state, named(counts)) for rank, (state, counts) in runs(world, argv).items()}
+    runs.close()
 
 
 @pytest.mark.parametrize("world,argv", [(w, a) for w, layouts in LAYOUTS.items() for a in layouts],
