@@ -136,3 +136,26 @@ def test_one_process_bf16_under_autocast_keeps_an_fp32_head():
     argv = ["--model", "llama-tiny", "--steps", "3", "--dtype", "bf16", "--log-interval", "1"]
     plain, fused = main(argv + ["--no-fused-loss"]), main(argv + ["--fused-loss"])
     assert len(fused) == 3 and all(abs(a - b) <= 2e-2 * abs(a) for a, b in zip(plain, fused)), (plain, fused)
+
+
+
+
+def test_the_fused_loss_computes_in_the_forwards_autocast_dtype():
+    """One process's bf16 autocasts the forward and runs the loss outside it: the
+    unfused head's matmul is bf16 whatever the final norm returns (a LayerNorm
+    returns fp32 under CUDA's autocast, as GPT's does here). The layout's fused loss
+    computes its matmul in that bf16 too: the plain path's loss to 1e-6 (8e-8 here),
+    not that of fp32 logits (8e-6 apart; on a GPU, fp32 GEMMs: twice the step)."""
+    from meshtron.distributed.data_parallel import autocast_dtype
+    from meshtron.train.loss import loss_function
+    plain, fused = (GPT(gpt_config("tiny", n_layers=2), seed=0) for _ in range(2))
+    vocab = plain.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, vocab, (2, 64), generator=g), torch.randint(0, vocab, (2, 64), generator=g)
+    bf16 = autocast_dtype(None, "bf16")
+    with torch.autocast("cpu", dtype=bf16):
+        assert fused(x, return_hidden=True).dtype == torch.float32   # the case this covers
+    loss_fn = loss_function(torch.device("cpu"), False, output_head([fused]), bf16)
+    l0 = forward_backward([plain], x, y, None, autocast=bf16)
+    l1 = forward_backward([fused], x, y, None, loss_fn=loss_fn, autocast=bf16)
+    assert abs(float(l1 - l0)) <= 1e-6 * float(l0), (float(l0), float(l1))

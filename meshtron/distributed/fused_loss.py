@@ -135,13 +135,16 @@ def _local_hidden(hidden: torch.Tensor, weight: torch.Tensor, axis: int | None) 
 
 def fused_linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                                    ignore_index: int = -100, chunk: int | None = None,
-                                   compiled: bool = False) -> torch.Tensor:
+                                   compiled: bool = False, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Sum over tokens of cross_entropy(hidden @ weight^T, targets), targets equal to
     `ignore_index` not counted. hidden (..., D), weight (V, D), targets (...): the
     hidden's leading shape (a sequence-sharded DTensor's global shape). `weight` may
     be a DTensor split over the vocabulary on one mesh axis (the value is then the
     same on every rank of it). `chunk`: tokens per chunk (default_chunk).
-    `compiled`: the per-chunk softmax work through torch.compile (GPU)."""
+    `compiled`: the per-chunk softmax work through torch.compile (GPU). `dtype`: the
+    head's compute dtype where the loss runs outside the forward's autocast (one
+    process's bf16 on fp32 weights), as the unfused head's matmul computes under it;
+    else the hidden states'."""
     if hidden.shape[:-1] != targets.shape or hidden.shape[-1] != weight.shape[1]:   # before any collective
         raise ValueError(f"fused cross-entropy: hidden states {tuple(hidden.shape)} do not match targets "
                          f"{tuple(targets.shape)} and a head of {tuple(weight.shape)}")
@@ -155,9 +158,10 @@ def fused_linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, t
         group, start = mesh.get_group(axis), mesh.get_local_rank(axis) * (vocab // t)
     h = _local_hidden(hidden, weight, axis)
     w = weight.to_local(grad_placements=weight.placements) if isinstance(weight, DTensor) else weight
-    # one process under autocast keeps an fp32 head: compute in the hidden states' dtype as
-    # autocast's F.linear would (the cast's backward returns the fp32 gradient)
-    w = w.to(h.dtype) if w.dtype != h.dtype and h.dtype in (torch.bfloat16, torch.float16) else w
+    # one process under autocast keeps an fp32 head, and a LayerNorm's output is fp32 there:
+    # compute in the dtype autocast's F.linear would (each cast's backward returns fp32)
+    dtype = dtype or (h.dtype if h.dtype in (torch.bfloat16, torch.float16) else w.dtype)
+    h, w = h.to(dtype), w.to(dtype)
     chunk = chunk or default_chunk(w.shape[0])
     need_grad = torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)
     return _FusedLinearCrossEntropy.apply(h.flatten(0, -2), w, targets.flatten(), group, start, chunk,

@@ -43,14 +43,15 @@ class FusedLoss:
     (meshtron.distributed.data_parallel), tensor parallelism splits it over the
     vocabulary. `compiled`: the per-chunk softmax through torch.compile (GPU)."""
 
-    def __init__(self, head: nn.Linear, compiled: bool = False, chunk: int | None = None):
+    def __init__(self, head: nn.Linear, compiled: bool = False, chunk: int | None = None,
+                 dtype: torch.dtype | None = None):
         if not isinstance(head, nn.Linear) or head.bias is not None:
             raise ValueError(f"the fused loss needs an output head that is an nn.Linear without bias, not {head}")
-        self.head, self.compiled, self.chunk = head, compiled, chunk
+        self.head, self.compiled, self.chunk, self.dtype = head, compiled, chunk, dtype
 
     def __call__(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return fused_linear_cross_entropy_sum(hidden, self.head.weight, targets, IGNORE_INDEX, self.chunk,
-                                              self.compiled)
+                                              self.compiled, self.dtype)
 
 
 def forward_kwargs(loss_fn) -> dict:
@@ -66,15 +67,17 @@ def output_head(parts: list[nn.Module]) -> nn.Linear | None:
     return heads[-1] if heads else None
 
 
-def loss_function(device: torch.device, vocab_sharded: bool, head: nn.Linear | None = None):
+def loss_function(device: torch.device, vocab_sharded: bool, head: nn.Linear | None = None,
+                  autocast: torch.dtype | None = None):
     """cross_entropy_sum, compiled on a GPU: inductor fuses the fp32 upcast, the
     log-softmax and its backward over the (tokens x vocabulary) logits into a few
     passes. Eager on vocab-sharded DTensor logits (loss
     parallel: meshtron.distributed.loss_parallel keeps no fp32 copy of them) and on
     the CPU, where compiling costs more than it saves. Given the output `head`, the
-    fused loss (FusedLoss) instead, compiled on a GPU likewise."""
+    fused loss (FusedLoss) instead, compiled on a GPU likewise, its matmul in the
+    forward's `autocast` dtype where one is given."""
     if head is not None:
-        return FusedLoss(head, compiled=device.type == "cuda")
+        return FusedLoss(head, compiled=device.type == "cuda", dtype=autocast)
     if device.type == "cuda" and not vocab_sharded:
         return torch.compile(cross_entropy_sum)
     return cross_entropy_sum

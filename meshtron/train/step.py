@@ -90,7 +90,8 @@ def layout_loss(mesh: DeviceMesh, par, device: torch.device, parts: list[nn.Modu
     hold an output head, the fused head + cross-entropy; else vocab-parallel
     cross-entropy where tp shards the logits, or the plain one."""
     head = output_head(parts) if par.fused_loss else None
-    return loss_function(device, degree(mesh, "tp") > 1 and par.loss_parallel, head)
+    return loss_function(device, degree(mesh, "tp") > 1 and par.loss_parallel, head,
+                         autocast_dtype(mesh, par.dtype, par.mixed_precision))
 
 
 def gradients(parts: list[nn.Module], x: torch.Tensor, y: torch.Tensor, mesh: DeviceMesh, pipeline: Pipeline | None,
