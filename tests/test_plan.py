@@ -384,3 +384,24 @@ def test_activation_elements_per_layer_equal_what_autograd_keeps(pools, sp):
     # more on the CPU than the fused kernels and compiled blocks the planner was fitted to
     measured, predicted = pools.run(2, _saved_per_layer, "tiny", sp)[0]
     assert abs(measured / predicted - 1) < 0.02, (measured, predicted)
+
+
+def test_calibrate_times_a_layer_in_the_dtypes_the_trainers_step_runs_it(monkeypatch):
+    """calibrate's host time is the trainer's layer as one bf16 process runs it: the experts'
+    GEMMs see the same dtypes (an fp32 residual stream sent them down the per-expert fp32 loop,
+    a third of the measured H200 host time of a MoE layer)."""
+    import io
+    from contextlib import redirect_stdout
+
+    import meshtron.models.common.experts as experts
+    from meshtron import models
+    from meshtron.cli.train import main
+    from meshtron.planner.calibrate import host_seconds
+    seen, grouped_mm = [], experts.grouped_mm
+    monkeypatch.setattr(experts, "grouped_mm", lambda x, w, c: seen.append((x.dtype, w.dtype)) or grouped_mm(x, w, c))
+    with redirect_stdout(io.StringIO()):
+        main(["--model", "llama-moe-tiny", "--steps", "1", "--dtype", "bf16", "--seq-len", "32", "--global-batch", "4"])
+    trainer, seen[:] = set(seen), []
+    spec, cfg = models.get("llama-moe-tiny")
+    host_seconds(spec, cfg, torch.device("cpu"), repeats=1, tokens=16, dtype=torch.bfloat16)
+    assert set(seen) == trainer == {(torch.bfloat16, torch.float32)}

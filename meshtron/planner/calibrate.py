@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron import models
+from meshtron.distributed.data_parallel import cast_embeddings
 from meshtron.distributed.recompute import MODES, apply_recompute
 from meshtron.planner.hardware import GPUS
 from meshtron.train.loss import logits_of
@@ -156,20 +157,24 @@ def attention_curve(cfg, device: torch.device, peak: float, repeats: int = 10, q
             for hd in dims for s in lens]
 
 
-def host_seconds(spec, cfg, device: torch.device, repeats: int = 10, tokens: int = 64) -> dict[str, float]:
+def host_seconds(spec, cfg, device: torch.device, repeats: int = 10, tokens: int = 64,
+                 dtype: torch.dtype | None = None) -> dict[str, float]:
     """Host seconds of the model's eager forward and backward: per micro-batch, and
     per layer under each recompute mode. The model is cut to 1 and to 3 layers on a
     few tokens, where the GPU's work is negligible, so the wall time is the Python
     and kernel launches that a micro-batch too small to keep the GPU busy cannot hide."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)   # the trainer's default
     x = torch.randint(cfg.vocab_size, (1, tokens), device=device)
     # selective recompute is refused with mixture-of-experts blocks (models/common/layout.py)
     modes = ("none", "full") if getattr(cfg, "moe", None) else MODES
     times = {mode: [] for mode in modes}
     for layers in (1, 3):
         # as the trainer runs one process: fp32 weights under bf16 autocast, whose casts and
-        # dispatch are host time too
+        # dispatch are host time too, and the residual stream in bf16 (an fp32 one sends a
+        # MoE block's experts down their per-expert fp32 loop, 3x the host time)
         model = spec.model_cls(dataclasses.replace(cfg, n_layers=layers), seed=0).to(device)
+        if dtype != torch.float32:
+            cast_embeddings(model)
         blocks = list(model.layers.values())
         plain = [type(b) for b in blocks]
         for mode in modes:
@@ -201,7 +206,7 @@ def moe_parts(spec, cfg, device: torch.device, tokens: int, peak: float, repeats
     moe, dtype = cfg.moe, torch.bfloat16 if device.type == "cuda" else torch.float32
     block = spec.model_cls(dataclasses.replace(cfg, n_layers=1), seed=0).layers["0"].feed_forward.to(device)
     block.train()
-    x = torch.randn(1, tokens, cfg.dim, device=device, requires_grad=True)
+    x = torch.randn(1, tokens, cfg.dim, device=device, dtype=dtype, requires_grad=True)   # the trainer's residual
 
     def whole():
         with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
