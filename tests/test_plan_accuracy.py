@@ -17,9 +17,10 @@ CALIBRATION = os.path.join(ROOT, "meshtron", "planner", "calibration")
 ROWS = fit.shipped_rows()
 MODELLED = [r for r in ROWS if not r.get("excluded")]
 MEMORY_TOLERANCE = 0.10
-# compiled steps are GPU-bound and within this; eager ones can be host-bound, and the host time
-# calibrate measured (before it ran under autocast, as the trainer does) misses by up to 45%
-COMPILED_TOLERANCE, EAGER_TOLERANCE = 0.20, 0.50
+# compiled steps are GPU-bound and within this; eager ones can be host-bound, where the model takes
+# the longer of the host's and the GPU's time and a step at one micro-batch of 2048 tokens measures
+# nearer their sum (33% over the prediction)
+COMPILED_TOLERANCE, EAGER_TOLERANCE = 0.20, 0.35
 
 
 def _error(row) -> tuple[float, float | None]:
@@ -42,13 +43,13 @@ def test_the_mean_step_error_over_the_measured_rows():
 
 
 def test_held_out_shapes_memory_and_the_gpu_bound_ones_time():
-    """Shapes no fitted row has: memory on each; step time where the step is GPU-bound and
-    made of modelled parts (FP8 without compile runs its casts as many small kernels, and the
-    fused loss of a small GPT was measured 2x slower than its parts: docs/planner.md)."""
+    """Shapes no fitted row has: memory on each; step time where the step is made of modelled
+    parts (FP8 without compile runs its casts, the weights' too, as many small kernels:
+    docs/planner.md)."""
     for row in fit.read_rows(os.path.join(CALIBRATION, "h200_held_out.jsonl")):
         step, mem = _error(row)
         assert abs(mem) <= MEMORY_TOLERANCE, (row["flags"], mem)
-        if "--fp8" not in row["flags"] and "--fused-loss" not in row["flags"]:
+        if not ("--fp8" in row["flags"] and "--compile" not in row["flags"]):
             assert abs(step) <= 0.15, (row["flags"], step)
 
 
