@@ -68,6 +68,7 @@ LAYOUTS = {  # name: (GPUs, recipe flags); bf16 compute, fp32 master weights and
     "tp2": (2, ["--tp", "2", "--sp"]),
     "tp2_overlap": (2, ["--tp", "2", "--sp", "--tp-overlap"]),   # Megatron's backward reduce-scatter overlap
     "tp2_overlap_ce": (2, ["--tp", "2", "--sp", "--tp-overlap", "--tp-overlap-comm", "copy-engine"]),
+    "tp2_overlap_chunked": (2, ["--tp", "2", "--sp", "--tp-overlap", "--tp-overlap-comm", "chunked"]),
     "pp2": (2, ["--pp", "2", "--microbatches", "8"]),
     "pp2_interleaved": (2, ["--pp", "2", "--microbatches", "8", "--pp-schedule", "interleaved-1f1b",
                             "--pp-virtual", "2"]),

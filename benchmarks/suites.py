@@ -343,11 +343,13 @@ SUITES = {
          mt("fsdp2", 2, "fsdp2_compile", l1b(32), "torchtitan fsdp2")]),
     "tp2-overlap": Suite(
         "Hiding tp2's communication (llama-1B, as `tp2`): `--tp-overlap` (Megatron's backward overlap) on NCCL "
-        "and on the copy engines, and NCCL held to fewer SMs, against the plain row's peer.",
+        "and on the copy engines, every SP collective in pieces under the matmuls (`--tp-overlap-comm chunked`), "
+        "and NCCL held to fewer SMs, against the plain row's peer.",
         [tt("torchtitan tp2", 2, "llama1b_tp2_compile", **TT16),
          mt("tp2 + SP", 2, "tp2_compile", l1b(32), "torchtitan tp2"),
          mt("tp2 + SP --tp-overlap", 2, "tp2_overlap_compile", l1b(32), "torchtitan tp2"),
          mt("tp2 + SP --tp-overlap copy-engine", 2, "tp2_overlap_ce_compile", l1b(32), "torchtitan tp2"),
+         mt("tp2 + SP --tp-overlap chunked", 2, "tp2_overlap_chunked_compile", l1b(32), "torchtitan tp2"),
          mt("tp2 + SP --tp-overlap, NCCL_MAX_CTAS=8", 2, "tp2_overlap_compile", l1b(32), "torchtitan tp2",
             NCCL_MAX_CTAS="8"),
          mt("tp2 + SP --tp-overlap, NCCL_MAX_CTAS=4", 2, "tp2_overlap_compile", l1b(32), "torchtitan tp2",

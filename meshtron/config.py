@@ -90,10 +90,12 @@ class ParallelConfig:
      "reduce-scatter (all-reduce without --sp) and computes their weight gradients while it travels "
      "(Megatron's overlap). NCCL's kernels take SMs from those matmuls, which slow by about what is hidden: "
      "use it with --sp --tp-overlap-comm copy-engine on CUDA GPUs, where tp's exposed communication bounds the step")
-    tp_overlap_comm: str = field(default="nccl", metadata={"choices": ("nccl", "copy-engine")})
+    tp_overlap_comm: str = field(default="nccl", metadata={"choices": ("nccl", "copy-engine", "chunked")})
     ("the collective --tp-overlap hides under --sp: nccl (NCCL's reduce-scatter kernels, which take SMs from "
-     "the matmuls beside them) or copy-engine (CUDA only: each rank pushes its peers' blocks with cudaMemcpy "
-     "into torch's symmetric memory, then adds what arrived; the matmuls keep their SMs)")
+     "the matmuls beside them), copy-engine (CUDA only: each rank pushes its peers' blocks with cudaMemcpy "
+     "into torch's symmetric memory, then adds what arrived; the matmuls keep their SMs) or chunked (every "
+     "all-gather before a column-parallel linear and reduce-scatter after a row-parallel one, forward and "
+     "backward, cut into one piece per tp rank, each moving while the previous piece's matmul runs)")
     cp_comm: str = field(default="p2p", metadata={"choices": ("p2p", "allgather", "a2a")})
     """context-parallel attention: p2p (ring), allgather (K/V) or a2a (Ulysses, heads)"""
     moe_dispatch: str = field(default="auto", metadata={"choices": ("auto", "exact", "padded")})
@@ -325,9 +327,16 @@ class Config:
         if p.tp_overlap_comm != "nccl" and not (p.tp_overlap and p.sp):
             raise ConfigError(f"--tp-overlap-comm {p.tp_overlap_comm} chooses the collective of --tp-overlap "
                               "under --sp: it needs --tp-overlap and --sp")
-        if p.tp_overlap_comm != "nccl" and p.cuda_graphs:
-            raise ConfigError(f"--tp-overlap-comm {p.tp_overlap_comm} with --cuda-graphs is not supported: its "
-                              "side stream and symmetric-memory workspace are not recorded; use one of the two")
+        if p.tp_overlap_comm == "copy-engine" and p.cuda_graphs:
+            raise ConfigError("--tp-overlap-comm copy-engine with --cuda-graphs is not supported: its side stream "
+                              "and symmetric-memory workspace are not recorded; use one of the two")
+        if p.tp_overlap_comm == "chunked" and p.cuda_graphs:
+            raise ConfigError("--tp-overlap-comm chunked with --cuda-graphs is not supported: compiled blocks run "
+                              "its pieces outside the graphs; use one of the two")
+        if p.tp_overlap_comm == "chunked" and p.fp8 not in ("none", "tensorwise"):
+            raise ConfigError(f"--tp-overlap-comm chunked with --fp8 {p.fp8} is not supported: it scales each "
+                              "piece with its whole tensor's scale, and a rowwise gradient's scales span the tp ranks "
+                              "and the pieces; use --fp8 tensorwise")
         if p.fp8 != "none" and p.dtype not in (None, "bf16"):
             raise ConfigError(f"--fp8 runs its matmuls in fp8 inside bf16 compute: leave out --dtype {p.dtype} "
                               "(or give --dtype bf16)")

@@ -81,6 +81,20 @@ CASES = {  # (world, argv, message) -- issue 11, points 4, 5, 7, 8
                                             "--tp-overlap-comm", "copy-engine"],
                                         "--tp-overlap-comm copy-engine moves the reduce-scatter with CUDA copy "
                                         "engines over symmetric memory: it needs CUDA, not cpu"),
+    "chunked tp overlap without sp": (2, ["--model", "llama-tiny", "--tp", "2", "--tp-overlap", "--tp-overlap-comm",
+                                          "chunked"], "--tp-overlap-comm chunked chooses the collective of "
+                                                      "--tp-overlap under --sp: it needs --tp-overlap and --sp"),
+    "chunked tp overlap and rowwise fp8": (2, ["--model", "llama-tiny", "--tp", "2", "--sp", "--tp-overlap",
+                                               "--tp-overlap-comm", "chunked", "--fp8", "rowwise"],
+                                           "--tp-overlap-comm chunked with --fp8 rowwise is not supported"),
+    "chunked tp overlap and cuda graphs": (2, ["--model", "llama-tiny", "--tp", "2", "--sp", "--tp-overlap",
+                                               "--tp-overlap-comm", "chunked", "--compile", "--cuda-graphs"],
+                                           "--tp-overlap-comm chunked with --cuda-graphs is not supported"),
+    "chunked tp overlap on the GPT": (2, ["--tp", "2", "--sp", "--tp-overlap", "--tp-overlap-comm", "chunked"],
+                                      "--tp-overlap-comm chunked cuts the Llama's local-tensor blocks"),
+    "chunked tp overlap on MoE blocks": (2, ["--model", "llama-moe-tiny", "--tp", "2", "--sp", "--tp-overlap",
+                                             "--tp-overlap-comm", "chunked"],
+                                         "mixture-of-experts blocks keep the DTensor styles"),
     "split backward and zero 3": (4, ["--dp", "2", "--pp", "2", "--pp-schedule", "zbv", "--pp-virtual", "2",
                                       "--zero", "3"], "--pp-schedule zbv computes weight gradients outside FSDP's"),
 }

@@ -16,7 +16,8 @@ Where each comes from, per micro-batch unless said:
   gathered); zero 0-2 gather once a step, zero 0-1 reduce once a step, and so
   does a pipeline's stage.
 - TP: with SP, a block all-gathers its attention's and its MLP's input and
-  reduce-scatters their outputs, and the backward mirrors each; without SP an
+  reduce-scatters their outputs, and the backward mirrors each (--tp-overlap-comm
+  chunked: each as tp - 1 all-to-alls of one rank's sequence piece); without SP an
   all-reduce of each output forward and of each input's gradient backward. The
   embedding and the head add one each way; the vocab-parallel loss three (N,)
   fp32 all-reduces, the fused one (--fused-loss) one all-gather of 2 x C fp32
@@ -208,7 +209,11 @@ def _tp_blocks(t: _Tally, s: _Step, blocks: int) -> None:
     is_moe = getattr(s.cfg, "moe", None) is not None
     matmuls = 1 if is_moe else 2       # an MoE block's MLP runs whole on each tp rank
     m, act, act_shard = s.m * blocks, s.act, s.act // s.d["tp"]
-    if s.sp:
+    if s.sp and s.par.tp_overlap and s.par.tp_overlap_comm == "chunked":
+        # each gather and reduce-scatter of a dense block as tp - 1 shifts of one piece (chunked_tensor_parallel),
+        # forward and backward; recompute runs the forward's again, the last reduce-scatter's too
+        t.add("all_to_all", "tp", act_shard, m * (s.d["tp"] - 1) * 4 * (2 + s.refwd), part="tp")
+    elif s.sp:
         t.add("all_gather", "tp", act_shard, m * (2 * matmuls + s.refwd * matmuls), part="tp")
         t.add("reduce_scatter", "tp", act, m * (2 * matmuls + s.reductions_again), part="tp")
         if is_moe:   # its input gathered, its output split; the split's backward gathers

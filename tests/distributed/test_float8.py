@@ -85,6 +85,9 @@ LAYOUTS = {"one process": (1, dict(dp=1), None),
            "dp2 zero3 (fp8 all-gather)": (2, dict(dp=2), dict(zero=3)),
            "dp4 hsdp2 zero3": (4, dict(dp=4), dict(zero=3, hsdp=2)),
            "dp2 x tp2 sp": (4, dict(dp=2, tp=2), dict(sp=True, zero=1)),
+           "tp2 sp chunked": (2, dict(tp=2), dict(sp=True, tp_overlap=True, tp_overlap_comm="chunked")),
+           "dp2 x tp2 sp chunked": (4, dict(dp=2, tp=2), dict(sp=True, zero=1, tp_overlap=True,
+                                                              tp_overlap_comm="chunked")),
            "pp2": (2, dict(dp=1, pp=2), None),
            "MoE ep2 (dense parts FP8)": (2, dict(dp=1, ep=2), dict(zero=1)),
            "GPT dp2 x tp2 sp": (4, dict(dp=2, tp=2), dict(sp=True, zero=1))}
@@ -118,6 +121,7 @@ def _flip_noise(rank, world, recipe, cfg):
 @pytest.mark.parametrize("name,recipe", [(n, "tensorwise") for n in LAYOUTS] + [(n, "rowwise") for n in ROWWISE])
 @pytest.mark.fast_cases("one process-tensorwise", "one process-rowwise", "one process, selective recompute-tensorwise",
                         "dp2 zero3 (fp8 all-gather)-tensorwise", "dp2 x tp2 sp-tensorwise", "pp2-tensorwise",
+                        "tp2 sp chunked-tensorwise",
                         "MoE ep2 (dense parts FP8)-tensorwise")
 def test_fp8_layouts_match_one_fp8_process(pools, name, recipe):
     """Within TOL, or, where the layout sums gradients (or, under tp, activations) in

@@ -32,6 +32,9 @@ def check_layout(cfg, degrees: dict[str, int], parallel: ParallelConfig, seq_len
                          heads=cfg.n_heads, tp_divides={"the hidden size": cfg.dim,
                                                         "the vocabulary size": cfg.vocab_size},
                          attention_dropout=cfg.dropout, n_experts=cfg.moe.n_experts if cfg.moe else 0)
+    if parallel.tp_overlap and parallel.tp_overlap_comm == "chunked" and degrees["tp"] > 1:
+        raise ValueError("--tp-overlap-comm chunked cuts the Llama's local-tensor blocks; the GPT's keep the "
+                         "DTensor styles: leave it at nccl")
 
 
 def tp_plan(model: nn.Module, sp: bool, loss_parallel: bool, moe: bool = False) -> dict:

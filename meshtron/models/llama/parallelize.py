@@ -10,6 +10,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 
 from meshtron.config import ParallelConfig
 from meshtron.distributed import expert_parallel
+from meshtron.distributed.chunked_tensor_parallel import ChunkedColumn, ChunkedRow
 from meshtron.distributed.context_parallel import apply_cp
 from meshtron.distributed.local_tensor_parallel import (
     GatherInput,
@@ -43,6 +44,14 @@ def check_layout(cfg, degrees: dict[str, int], parallel: ParallelConfig, seq_len
                          heads=cfg.n_heads, kv_heads=cfg.n_kv_heads, n_experts=cfg.moe.n_experts if cfg.moe else 0,
                          tp_divides={"the MLP width": cfg.ffn_dim,
                                                         "the vocabulary size": cfg.vocab_size})
+    if cfg.moe and chunked(parallel) and tp > 1:
+        raise ValueError("--tp-overlap-comm chunked cuts the dense blocks' matmuls: mixture-of-experts blocks "
+                         "keep the DTensor styles; leave it at nccl")
+
+
+def chunked(parallel: ParallelConfig) -> bool:
+    """--tp-overlap-comm chunked is on (config.py refuses it without --tp-overlap and --sp)."""
+    return parallel.tp_overlap and parallel.tp_overlap_comm == "chunked"
 
 
 def tp_plan(model: nn.Module, sp: bool, loss_parallel: bool, moe: bool = False, local: bool = False,
@@ -54,7 +63,9 @@ def tp_plan(model: nn.Module, sp: bool, loss_parallel: bool, moe: bool = False, 
     DTensor styles, whose outputs the pipeline and the losses take. `overlap` (with
     `local`): each block's gather and its column-parallel linears are one function
     whose backward hides the gather's reduce-scatter behind the weight gradients, moved
-    by `overlap_comm` (nccl or copy-engine: GatherLinears)."""
+    by `overlap_comm` (nccl or copy-engine: GatherLinears), or with `overlap_comm` chunked
+    every SP collective of the block cut into pieces under its matmuls, forward and
+    backward (chunked_tensor_parallel.py; its column styles place the linears' weights)."""
     seq = Shard(1) if sp else Replicate()
     norm = SequenceParallel() if sp else ReplicateParallel()
     plan = {
@@ -83,7 +94,12 @@ def tp_plan(model: nn.Module, sp: bool, loss_parallel: bool, moe: bool = False, 
                  "layers.*.ffn_norm": LocalNorm(sp), "layers.*.feed_forward": GatherInput(sp),
                  "layers.*.feed_forward.w1": LocalColwise(), "layers.*.feed_forward.w3": LocalColwise(),
                  "layers.*.feed_forward.w2": LocalRowwise(sp)}
-        if overlap:
+        if overlap and overlap_comm == "chunked":
+            for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+                del plan[f"layers.*.{name}"]
+            plan |= {"layers.*.attention": ChunkedColumn(("wq", "wk", "wv")), "layers.*.attention.wo": ChunkedRow(),
+                     "layers.*.feed_forward": ChunkedColumn(("w1", "w3")), "layers.*.feed_forward.w2": ChunkedRow()}
+        elif overlap:
             plan |= {"layers.*.attention": GatherLinears(sp, ("wq", "wk", "wv"), overlap_comm),
                      "layers.*.feed_forward": GatherLinears(sp, ("w1", "w3"), overlap_comm)}
     present = {n for n, m in model.named_modules() if m is not None}
@@ -92,8 +108,9 @@ def tp_plan(model: nn.Module, sp: bool, loss_parallel: bool, moe: bool = False, 
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig, moe: list[nn.Module] = ()) -> None:
     tp_mesh, sp = tp_mesh_of(mesh), parallel.sp
-    # FP8's styles and the MoE blocks' routing work on DTensors: those keep DTensor blocks
-    local = parallel.fp8 == "none" and not moe
+    # FP8's styles and the MoE blocks' routing work on DTensors: those keep DTensor blocks,
+    # except FP8 under the chunked operators, which cast their pieces themselves
+    local = (parallel.fp8 == "none" or chunked(parallel)) and not moe
     plan = fp8_tp_plan(tp_plan(model, sp, parallel.loss_parallel, bool(moe), local, parallel.tp_overlap,
                                parallel.tp_overlap_comm),
                        model, mesh, parallel)
