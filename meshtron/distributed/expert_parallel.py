@@ -13,7 +13,7 @@ ranks holding their experts and back:
 
 Backward mirrors the two token all-to-alls. Each dispatch also runs as `stages`,
 a generator that yields once the copies travel out and once they travel back
-(a layout may run other work while they travel).
+(--moe-two-batch runs another half of the micro-batch there: two_batch.py).
 The exact dispatch (AllToAllDispatch) copies its split sizes to the host, which
 waits for the GPU once per layer. The
 padded one (PaddedAllToAllDispatch, --moe-dispatch padded) sends every rank a
@@ -160,8 +160,8 @@ class AllToAllDispatch(nn.Module):
     def stages(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, mlp: nn.Module, exchanged, *,
                run=None, a2a=all_to_all_single_autograd):
         """forward as a generator that yields once the copies are on their way to their
-        experts and once the experts' rows are on their way back (a layout may run other
-        work meanwhile); its value is forward's. `exchanged`: exchange's; `run(rows,
+        experts and once the experts' rows are on their way back (two_batch.py runs the
+        other half meanwhile); its value is forward's. `exchanged`: exchange's; `run(rows,
         counts)` runs the experts (mlp's call by default); `a2a` moves the rows
         (all_to_all_single_autograd's arguments)."""
         k = experts.shape[1]
