@@ -103,6 +103,11 @@ class ParallelConfig:
      "per layer), padded ones (equal splits of every rank's copies: no host sync, ep x the all-to-all "
      "bytes and buffers), or auto: padded at --ep 2, where the doubled bytes cost less than the host sync, "
      "exact above, where the padding grows with ep")
+    moe_two_batch: bool = False
+    ("mixture of experts under --ep: split each micro-batch into two halves of whole sequences whose layers "
+     "alternate, so that one half's attention and experts run while the other half's dispatch and combine "
+     "all-to-alls travel, in forward and in backward (SGLang's and DeepSeek's two-batch overlap); the same "
+     "losses, gradients and routing statistics as without it")
     loss_parallel: bool = True
     """cross-entropy on vocab-sharded logits under tp (else the logits are gathered)"""
     fused_loss: bool = False
@@ -368,8 +373,32 @@ class Config:
             raise ConfigError(f"--moe-dispatch {p.moe_dispatch} changes expert parallelism's all-to-alls: it needs "
                               "--ep > 1")
         data = self.data
+        if p.moe_two_batch:
+            self._check_two_batch(d)
         if data.document_mask and d["cp"] > 1 and p.cp_comm != "a2a":
             raise ConfigError(f"--document-mask under context parallelism takes --cp-comm a2a (Ulysses: each rank "
                               f"attends over the whole sequence, which the mask covers); --cp-comm {p.cp_comm} "
                               "does not take a mask")
         return d
+
+    def _check_two_batch(self, d: dict[str, int]) -> None:
+        """--moe-two-batch's layouts (meshtron.distributed.two_batch)."""
+        p = self.parallel
+        if p.compile:
+            raise ConfigError("--moe-two-batch with --compile (and so --cuda-graphs) is not supported: the "
+                              "halves alternate in a Python scheduler between their all-to-alls, which "
+                              "torch.compile does not trace; leave out --compile")
+        for axis, why in (("tp", "the MoE blocks' tensor-parallel layouts are hooks on their call, which the "
+                                 "halves' stages do not make"),
+                          ("cp", "context parallelism's attention does not run by halves yet")):
+            if d[axis] > 1:
+                raise ConfigError(f"--moe-two-batch with --{axis} {d[axis]} is not supported: {why}")
+        if self.data.document_mask:
+            raise ConfigError("--moe-two-batch with --document-mask is not supported: FlexAttention's mask on "
+                              "GPUs cannot be cut into the halves' masks")
+        if d["ep"] == 1:
+            raise ConfigError("--moe-two-batch overlaps expert parallelism's all-to-alls with the other half's "
+                              "work: it needs --ep > 1")
+        if self.training.micro_batch % 2:
+            raise ConfigError(f"--moe-two-batch splits each micro-batch into two halves of whole sequences: "
+                              f"--micro-batch {self.training.micro_batch} must be even")

@@ -95,6 +95,18 @@ CASES = {  # (world, argv, message) -- issue 11, points 4, 5, 7, 8
     "chunked tp overlap on MoE blocks": (2, ["--model", "llama-moe-tiny", "--tp", "2", "--sp", "--tp-overlap",
                                              "--tp-overlap-comm", "chunked"],
                                          "mixture-of-experts blocks keep the DTensor styles"),
+    "two-batch with an odd micro-batch": (2, ["--model", "llama-moe-tiny", "--ep", "2", "--moe-two-batch",
+                                              "--micro-batch", "3"],
+                                          "--moe-two-batch splits each micro-batch into two halves of whole "
+                                          "sequences: --micro-batch 3 must be even"),
+    "two-batch without experts": (2, ["--ep", "2", "--moe-two-batch"], "--moe-two-batch overlaps the all-to-alls "
+                                                                      "of mixture-of-experts blocks: this model "
+                                                                      "has none"),
+    "two-batch without ep": (1, ["--model", "llama-moe-tiny", "--moe-two-batch"], "it needs --ep > 1"),
+    "two-batch and compile": (2, ["--model", "llama-moe-tiny", "--ep", "2", "--moe-two-batch", "--compile"],
+                              "--moe-two-batch with --compile (and so --cuda-graphs) is not supported"),
+    "two-batch and tp": (2, ["--model", "llama-moe-tiny", "--tp", "2", "--moe-two-batch"],
+                         "--moe-two-batch with --tp 2 is not supported"),
     "split backward and zero 3": (4, ["--dp", "2", "--pp", "2", "--pp-schedule", "zbv", "--pp-virtual", "2",
                                       "--zero", "3"], "--pp-schedule zbv computes weight gradients outside FSDP's"),
 }

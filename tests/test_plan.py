@@ -62,7 +62,8 @@ LAYOUTS = {
         ["--model", "llama-moe-tiny", "--ep", "2", "--zero", "2"],
         ["--model", "llama-tiny", "--tp", "2", "--sp", "--tp-overlap"],
         ["--model", "llama-tiny", "--tp", "2", "--sp", "--tp-overlap", "--tp-overlap-comm", "chunked"],
-        ["--model", "llama-moe-tiny", "--ep", "2", "--zero", "2", "--moe-dispatch", "padded"]],
+        ["--model", "llama-moe-tiny", "--ep", "2", "--zero", "2", "--moe-dispatch", "padded"],
+        ["--model", "llama-moe-tiny", "--ep", "2", "--moe-two-batch", "--recompute", "full"]],
     4: [["--model", "tiny", "--dp", "2", "--tp", "2", "--sp", "--zero", "3"],
         ["--model", "llama-tiny", "--dp", "4", "--zero", "0"],
         ["--model", "llama-tiny", "--dp", "4", "--hsdp", "2", "--zero", "2"],
@@ -79,8 +80,9 @@ LAYOUTS = {
 
 # layouts the dry run alone plays (it counts what gloo counts for the layouts above): the
 # planner's collectives against it under recompute, bf16 with accumulation, the other CP
-# variants, DDP over two axes, MoE with TP, capacity or a pipeline, the
-# fused loss under tp (one all-gather per chunk), tp4's chunked overlap recomputed
+# variants, DDP over two axes, MoE with TP, capacity or a pipeline, two-batch overlap under
+# ZeRO-3 (one gather of each block and its experts for both halves), the fused loss under tp
+# (one all-gather per chunk), tp4's chunked overlap recomputed
 DRY_ONLY = {
     2: [["--model", "llama-moe-tiny", "--dp", "2", "--moe-capacity", "1.25"],
         ["--model", "tiny", "--tp", "2", "--fused-loss", "--global-batch", "4", "--micro-batch", "1"]],
@@ -97,7 +99,8 @@ DRY_ONLY = {
         ["--model", "llama-moe-tiny", "--tp", "2", "--sp", "--ep", "2"],
         ["--model", "llama-tiny", "--tp", "4", "--sp", "--tp-overlap", "--tp-overlap-comm", "chunked", "--recompute",
          "full"],
-        ["--model", "llama-moe-tiny", "--pp", "2", "--ep", "2", "--global-batch", "8", "--micro-batch", "2"]],
+        ["--model", "llama-moe-tiny", "--pp", "2", "--ep", "2", "--global-batch", "8", "--micro-batch", "2"],
+        ["--model", "llama-moe-tiny", "--dp", "2", "--ep", "2", "--zero", "3", "--moe-two-batch"]],
 }
 
 

@@ -11,8 +11,11 @@ ranks holding their experts and back:
                      sorted by local expert
     combine          all_to_all_single back, weighted by the router's scores in fp32
 
-Backward mirrors the two token all-to-alls. The exact dispatch (AllToAllDispatch)
-copies its split sizes to the host, which waits for the GPU once per layer. The
+Backward mirrors the two token all-to-alls. Each dispatch also runs as `stages`,
+a generator that yields once the copies travel out and once they travel back
+(--moe-two-batch runs another half of the micro-batch there: two_batch.py).
+The exact dispatch (AllToAllDispatch) copies its split sizes to the host, which
+waits for the GPU once per layer. The
 padded one (PaddedAllToAllDispatch, --moe-dispatch padded) sends every rank a
 block of every copy this rank has, T k rows, real ones first: equal splits, no
 host sync and static shapes, for ep x the all-to-all bytes, received rows and
@@ -115,6 +118,15 @@ def by_expert(experts_forward, rows: torch.Tensor, got: torch.Tensor, n_rows: in
     return torch.empty_like(y).index_copy(0, sort, y)
 
 
+def drain(stages):
+    """Run a generator of stages (a dispatch's) to its end: its value."""
+    while True:
+        try:
+            next(stages)
+        except StopIteration as done:
+            return done.value
+
+
 class AllToAllDispatch(nn.Module):
     """The token copies to the ep rank that holds their expert, and back."""
 
@@ -123,18 +135,42 @@ class AllToAllDispatch(nn.Module):
         self.group, self.ep = ep_mesh.get_group(), ep_mesh.size()
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, mlp: nn.Module) -> torch.Tensor:
-        k, ep = experts.shape[1], self.ep
+        return drain(self.stages(x, weights, experts, mlp, self.exchange(experts, mlp)))
+
+    def exchange_counts(self, experts: torch.Tensor, mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the copies' order sorted by expert, so by destination rank too; the copies sent
+        [destination rank, its expert]; received [source rank, my expert]), the counts
+        exchanged on the device."""
+        ep = self.ep
         n_experts = mlp.w1.shape[0]                  # the global count (a DTensor's shape)
-        local_e = n_experts // ep
         flat = experts.flatten()
-        order = flat.argsort(stable=True)            # copies grouped by expert, so by destination rank too
         sent = counts(flat, n_experts)
-        got = all_to_all_single(sent, None, None, self.group).view(ep, local_e)   # [source rank, my expert]
-        splits = host_counts(torch.cat([sent.view(ep, local_e).sum(1), got.sum(1)]), 2 * flat.numel())  # one sync
-        send_splits, recv_splits = splits[:ep], splits[ep:]
-        rows = all_to_all_single_autograd(x[order // k], recv_splits, send_splits, self.group)
-        y = by_expert(mlp, rows, got, sum(recv_splits))
-        back = all_to_all_single_autograd(y, send_splits, recv_splits, self.group)
+        got = all_to_all_single(sent, None, None, self.group)
+        return flat.argsort(stable=True), sent.view(ep, n_experts // ep), got.view(ep, n_experts // ep)
+
+    def exchange(self, experts: torch.Tensor, mlp: nn.Module) -> tuple:
+        """What `stages` needs before moving the copies: exchange_counts' order and
+        received counts, and the split sizes (send, receive) read on the host, the one
+        sync. Outside `stages`: a compiled block's graph breaks at the sync and resumes
+        after it, where a break inside a generator would leave the rest uncompiled."""
+        order, sent, got = self.exchange_counts(experts, mlp)
+        splits = host_counts(torch.cat([sent.sum(1), got.sum(1)]), 2 * experts.numel())
+        return order, got, splits[:self.ep], splits[self.ep:]
+
+    def stages(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, mlp: nn.Module, exchanged, *,
+               run=None, a2a=all_to_all_single_autograd):
+        """forward as a generator that yields once the copies are on their way to their
+        experts and once the experts' rows are on their way back (two_batch.py runs the
+        other half meanwhile); its value is forward's. `exchanged`: exchange's; `run(rows,
+        counts)` runs the experts (mlp's call by default); `a2a` moves the rows
+        (all_to_all_single_autograd's arguments)."""
+        k = experts.shape[1]
+        order, got, send_splits, recv_splits = exchanged
+        rows = a2a(x[order // k], recv_splits, send_splits, self.group)
+        yield
+        y = by_expert(run or mlp, rows, got, sum(recv_splits))
+        back = a2a(y, send_splits, recv_splits, self.group)
+        yield
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         out.index_add_(0, order // k, back.float() * weights.flatten()[order, None])
         return out.to(x.dtype)
@@ -150,31 +186,33 @@ class PaddedAllToAllDispatch(AllToAllDispatch):
     padding after the last expert's rows, and come back the same way. Costs ep x
     the exact dispatch's all-to-all bytes and buffers."""
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, mlp: nn.Module) -> torch.Tensor:
+    def exchange(self, experts: torch.Tensor, mlp: nn.Module) -> tuple:
+        return self.exchange_counts(experts, mlp)     # no split sizes: every block is C rows
+
+    def stages(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, mlp: nn.Module, exchanged, *,
+               run=None, a2a=all_to_all_single_autograd):
         k, ep = experts.shape[1], self.ep
-        n_experts = mlp.w1.shape[0]
-        local_e = n_experts // ep
-        flat = experts.flatten()
-        c = flat.numel()                             # the block: every copy of this rank
-        order = flat.argsort(stable=True)            # copies grouped by expert, so by destination rank too
-        sent = counts(flat, n_experts)
-        got = all_to_all_single(sent, None, None, self.group).view(ep, local_e)   # [source rank, my expert]
+        order, sent, got = exchanged
+        local_e = got.shape[1]
+        c = experts.numel()                          # the block: every copy of this rank
         # sorted copy i goes to rank d (its expert's), row i - (copies for ranks before d) of block d
-        per_rank = sent.view(ep, local_e).sum(1)
-        dest = flat[order] // local_e
+        per_rank = sent.sum(1)
+        dest = experts.flatten()[order] // local_e
         slot = torch.arange(c, device=x.device)
         pos = dest * c + slot - (per_rank.cumsum(0) - per_rank)[dest]
         send = x.new_zeros(ep * c, x.shape[1]).index_copy(0, pos, x[order // k])
-        rows = all_to_all_single_autograd(send, None, None, self.group)      # block s: rank s's copies for me
+        rows = a2a(send, None, None, self.group)      # block s: rank s's copies for me
+        yield
         # each received row's local expert (local_e past block s's real rows): the key
         # (expert, source) sorts the real rows as the exact dispatch does, the padding last
         expert_of = torch.searchsorted(got.cumsum(1), slot.expand(ep, c).contiguous(), right=True)
         by_expert = (expert_of * ep + torch.arange(ep, device=x.device)[:, None]).flatten().argsort(stable=True)
-        y = mlp(rows[by_expert], got.sum(0))
+        y = (run or mlp)(rows[by_expert], got.sum(0))
         # rows past the last expert's: torch._grouped_mm leaves them unwritten (anything, NaN too)
         y = torch.where((torch.arange(ep * c, device=x.device) < got.sum())[:, None], y, 0)
         y = torch.empty_like(y).index_copy(0, by_expert, y)
-        back = all_to_all_single_autograd(y, None, None, self.group)        # block d: my copies' rows from rank d
+        back = a2a(y, None, None, self.group)        # block d: my copies' rows from rank d
+        yield
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         out.index_add_(0, order // k, back[pos].float() * weights.flatten()[order, None])
         return out.to(x.dtype)

@@ -59,9 +59,15 @@ def apply_recompute(blocks: list[nn.Module], mode: str) -> None:
         return
     context_fn = partial(create_selective_checkpoint_contexts, _selective_policy) if mode == "selective" \
         else noop_context_fn
+    swap_classes(blocks, lambda cls: _recomputed(cls, context_fn))
+
+
+def swap_classes(blocks: list[nn.Module], subclass) -> None:
+    """Each block's class swapped for subclass(its class), made once per class: the
+    module tree, and so the parameter names, stay as they are."""
     classes = {}
     for block in blocks:
         cls = type(block)
         if cls not in classes:
-            classes[cls] = _recomputed(cls, context_fn)
+            classes[cls] = subclass(cls)
         block.__class__ = classes[cls]

@@ -33,6 +33,8 @@ Where each comes from, per micro-batch unless said:
   routing: predicted as if every rank received what it sends (exact summed
   over the ranks). The padded dispatch (--moe-dispatch padded) sends every ep
   rank a block of all of this rank's copies: ep x the bytes, whatever the routing.
+  Two-batch overlap (--moe-two-batch) runs all of them once per half of the
+  micro-batch, each with half the tokens.
 - PP: each activation to the next stage on another rank, its gradient back;
   tied weights' gradients between the ranks holding their copies.
 - Scalars: the loss' token count and sum over dp x cp x ep, the gradient norm
@@ -251,9 +253,11 @@ def _moe_blocks(t: _Tally, s: _Step, blocks: int) -> None:
         t.add("all_gather", seq, tokens * k * s.a, m * (1 + refwd), part="cp")
         t.add("all_gather", seq, tokens * k * 8, m * (1 + refwd), part="cp")
     if s.d["ep"] > 1:
-        t.add("all_to_all", "ep", 8 * E, m * (1 + refwd), part="ep")
+        halves = 2 if s.par.moe_two_batch else 1   # each half of the micro-batch its own all-to-alls
+        t.add("all_to_all", "ep", 8 * E, m * halves * (1 + refwd), part="ep")
         blocks_sent = s.d["ep"] if dispatch_of(s.par.moe_dispatch, s.d["ep"]) == "padded" else 1
-        t.add("all_to_all", "ep", blocks_sent * tokens * k * s.cfg.dim * s.a, m * (4 + 2 * refwd), part="ep")
+        t.add("all_to_all", "ep", blocks_sent * tokens // halves * k * s.cfg.dim * s.a, m * halves * (4 + 2 * refwd),
+              part="ep")
 
 
 def _tp_embedding(t: _Tally, s: _Step) -> None:

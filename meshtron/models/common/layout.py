@@ -34,6 +34,9 @@ def check_decoder_layout(degrees: dict[str, int], parallel, seq_len: int, *, n_l
                          "own FSDP unit runs inside the recomputed region): use --recompute full or none")
     if cp > 1 and attention_dropout > 0:
         raise ValueError("context parallelism computes attention without dropout: set the model's dropout to 0")
+    if parallel.moe_two_batch and not n_experts:
+        raise ValueError("--moe-two-batch overlaps the all-to-alls of mixture-of-experts blocks: this model has "
+                         "none")
     if ep > 1 and (n_experts == 0 or n_experts % ep):
         raise ValueError(f"ep={ep} needs a mixture-of-experts model whose expert count it divides "
                          f"(this model has {n_experts} experts)")

@@ -38,7 +38,8 @@ cut into micro-batches, ranks, experts or tensor-parallel shards (a sequence spl
 by context parallelism is gathered for its balancing and capacity).
 
 Statistics of the step (token counts per expert, the aux loss, tokens dropped)
-are buffers of this rank's tokens; `end_step` sums them over the ranks after the
+are buffers of this rank's tokens, counted in forward (recomputation in backward
+does not count again); `end_step` sums them over the ranks after the
 optimizer step (one collective for all blocks) and moves the expert bias and f.
 The aux loss's gradient is scaled by `aux_grad_scale`, which the layout sets
 once (set_aux_grad_scale): the factor the layout's gradient reduction divides
@@ -75,6 +76,12 @@ class _AuxLoss(torch.autograd.Function):
     def backward(ctx, grad):
         (aux,) = ctx.saved_tensors
         return grad, torch.full_like(aux, ctx.scale), None
+
+
+def _recomputing() -> bool:
+    """Whether this forward runs inside backward: activation recomputation. (A compiled
+    block recomputes inside its own backward graph, not by running this again.)"""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 class Router(nn.Module):
@@ -145,8 +152,20 @@ class LocalDispatch(nn.Module):
         return out.to(x.dtype)
 
 
+class Routed(NamedTuple):
+    """MoE.route's choice for N tokens."""
+    x: torch.Tensor                 # (N, dim) the tokens
+    weights: torch.Tensor           # (N, k) fp32, each chosen expert's (0 where capacity dropped it)
+    experts: torch.Tensor           # (N, k) the chosen experts
+    scores: torch.Tensor            # (N, E) fp32, the router's scores of every expert
+    own: torch.Tensor               # (N, k) the router's own top-k (before batch balancing)
+    keep: torch.Tensor | None       # (N, k) bool, what the capacity kept (None: dropless)
+
+
 class MoE(nn.Module):
-    """The MoE feed-forward block: (B, T, dim) -> (B, T, dim)."""
+    """The MoE feed-forward block: (B, T, dim) -> (B, T, dim). Its forward is route,
+    dispatch, finish: a layout may run the dispatch in stages between them
+    (meshtron.distributed.two_batch)."""
 
     aux_grad_scale = 1.0
 
@@ -177,37 +196,59 @@ class MoE(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if h.is_meta:   # a pipeline schedule's shape inference (torch 2.11): nothing to route
             return torch.empty_like(h)
+        r = self.route(h)
+        out = self.dispatch(r.x, r.weights, r.experts, self.experts)
+        return self.finish(h, r, out, self.shared_out(r.x))
+
+    def route(self, h: torch.Tensor) -> Routed:
+        """The router's choice for the tokens of h (B, T, dim), capacity applied."""
         B, T, dim = h.shape
-        E = self.cfg.n_experts
         x = h.reshape(-1, dim)
         weights, experts, scores, own = self.router(x, self.seq_parts if self.training else None, B)
         capacity = self.cfg.capacity if self.training else 0.0   # evaluation and generation keep every token
+        keep = None
         if capacity > 0:   # decided over each whole sequence: the same drops under any layout
             keep = self._capacity_keep(weights.detach().view(B, T, -1), experts.view(B, T, -1), capacity)
             weights = weights * keep
-        out = self.dispatch(x, weights, experts, self.experts)
-        if self.shared is not None:
-            out = out + self.shared(x, x.new_full((1,), x.shape[0], dtype=torch.long))
+        return Routed(x, weights, experts, scores, own, keep)
+
+    def shared_out(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared experts' output for the tokens x (N, dim), if the block has them."""
+        return None if self.shared is None else self.shared(x, x.new_full((1,), x.shape[0], dtype=torch.long))
+
+    def finish(self, h: torch.Tensor, r: Routed, out: torch.Tensor, shared: torch.Tensor | None,
+               share: float = 1.0) -> torch.Tensor:
+        """The block's output from the routed experts' `out` and the `shared` experts' (N, dim);
+        while training, the step's statistics and the aux loss. `share`: the part of the
+        micro-batch that h holds (meshtron.distributed.two_batch runs each half with 1/2): the
+        aux loss is normalised by the whole micro-batch's tokens, and a call counts its share."""
+        if shared is not None:
+            out = out + shared
         if not self.training:
-            return out.view(B, T, dim)
-        # recomputation runs this again in backward: every sum below doubles alike,
-        # and end_step reports ratios (per call, per routed copy)
-        with torch.no_grad():
-            self.calls += 1
-            run = expert_counts(experts, E).float()
-            self.tokens_per_expert += run
-            self.own_per_expert += run if own is experts else expert_counts(own, E).float()
-            if capacity > 0:
-                self.dropped += (~keep).sum()
+            return out.view(h.shape)
+        E = self.cfg.n_experts
+        # counted in forward, not again where recomputation runs it in backward: torch's
+        # checkpoint stops recomputing once backward has what it needs, which may be before
+        # this point, or (two_batch.py) after one half's and before the other's
+        count = not _recomputing()
+        if count:
+            with torch.no_grad():
+                self.calls += share
+                run = expert_counts(r.experts, E).float()
+                self.tokens_per_expert += run
+                self.own_per_expert += run if r.own is r.experts else expert_counts(r.own, E).float()
+                if r.keep is not None:
+                    self.dropped += (~r.keep).sum()
         if self.cfg.aux_loss > 0:
             # Switch: E * sum_i f_i P_i, P_i the mean score over the micro-batch's tokens of
             # every rank (each holds as many: this rank's part of the sum, the gradient its own)
-            n_tokens = x.shape[0] * self.step_sum.size
+            n_tokens = r.x.shape[0] / share * self.step_sum.size
             f = self.load_fraction.clone()    # saved for backward: end_step may move the buffer first
-            aux = self.cfg.aux_loss * E * (scores.sum(0) * f).sum() / n_tokens
-            self.aux_loss_sum += aux.detach()
+            aux = self.cfg.aux_loss * E * (r.scores.sum(0) * f).sum() / n_tokens
+            if count:
+                self.aux_loss_sum += aux.detach()
             out = _AuxLoss.apply(out, aux, self.aux_grad_scale)
-        return out.view(B, T, dim)
+        return out.view(h.shape)
 
     def _capacity_keep(self, weights: torch.Tensor, experts: torch.Tensor, capacity: float) -> torch.Tensor:
         """(B, T_local, k) -> (B * T_local, k) bool: capacity_keep over each whole sequence."""

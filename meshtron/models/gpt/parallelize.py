@@ -23,6 +23,7 @@ from meshtron.distributed.tensor_parallel import (
     tp_mesh_of,
     vocab_parallel,
 )
+from meshtron.distributed.two_batch import apply_two_batch
 from meshtron.models.common.layout import check_decoder_layout, head_cost
 from meshtron.models.common.moe import MoE
 
@@ -90,7 +91,7 @@ FP8_SKIP = ("output", "layers.*.mlp.router.*")
 
 def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig,
                     dp_mesh: DeviceMesh | None = None) -> None:
-    """Expert parallelism, FP8, TP, CP, recompute, compile, FSDP (on `dp_mesh`: apply_dp's)."""
+    """Expert parallelism, FP8, TP, CP, two-batch overlap, recompute, compile, FSDP (on `dp_mesh`: apply_dp's)."""
     blocks = list(model.layers.values())
     moe = [b.mlp for b in blocks if isinstance(b.mlp, MoE)]
     apply_fp8(model, mesh, parallel, FP8_SKIP)
@@ -102,6 +103,9 @@ def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig
         apply_cp(mesh, parallel.cp_comm, cores=[b.attn.core for b in blocks], attentions=[b.attn for b in blocks],
                  position_embeddings=[model.pos_embeddings] if model.pos_embeddings is not None else [],
                  document_masks=[model.document_mask])
+    if parallel.moe_two_batch:   # before recompute, which then recomputes the interleaved block
+        apply_two_batch([b for b in blocks if isinstance(b.mlp, MoE)],
+                        lambda b: (b.attn_norm, b.attn, b.mlp_norm, b.mlp))
     apply_recompute(blocks, parallel.recompute)
     if parallel.compile:
         apply_compile(blocks, compile_options(parallel))

@@ -31,6 +31,7 @@ from meshtron.distributed.tensor_parallel import (
     tp_mesh_of,
     vocab_parallel,
 )
+from meshtron.distributed.two_batch import apply_two_batch
 from meshtron.models.common.layout import check_decoder_layout, head_cost
 from meshtron.models.common.moe import MoE
 
@@ -126,7 +127,7 @@ FP8_SKIP = ("output", "layers.*.feed_forward.router.*")
 
 def parallelize_llama(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig,
                       dp_mesh: DeviceMesh | None = None) -> None:
-    """Expert parallelism, FP8, TP, CP, recompute, compile, FSDP (on `dp_mesh`: apply_dp's)."""
+    """Expert parallelism, FP8, TP, CP, two-batch overlap, recompute, compile, FSDP (on `dp_mesh`: apply_dp's)."""
     blocks = list(model.layers.values())
     moe = [b.feed_forward for b in blocks if isinstance(b.feed_forward, MoE)]
     apply_fp8(model, mesh, parallel, FP8_SKIP)
@@ -137,6 +138,9 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConf
     if degree(mesh, "cp") > 1:
         apply_cp(mesh, parallel.cp_comm, cores=[b.attention.core for b in blocks],
                  attentions=[b.attention for b in blocks], document_masks=[model.document_mask])
+    if parallel.moe_two_batch:   # before recompute, which then recomputes the interleaved block
+        apply_two_batch([b for b in blocks if isinstance(b.feed_forward, MoE)],
+                        lambda b: (b.attention_norm, b.attention, b.ffn_norm, b.feed_forward))
     apply_recompute(blocks, parallel.recompute)
     if parallel.compile:
         apply_compile(blocks, compile_options(parallel))
