@@ -323,6 +323,10 @@ class Config:
             raise ConfigError(f"--pp-schedule {p.pp_schedule} with --compile needs torch 2.13 or later: the split "
                               f"backward of torch {_torch_version()} fails inside compiled blocks; use "
                               "interleaved-1f1b or leave out --compile")
+        if p.pp > 1 and p.ep > 1 and _torch_before(2, 13):
+            raise ConfigError(f"--pp with --ep needs torch 2.13 or later: under torch {_torch_version()} the "
+                              "pipelined experts' router gradients differ from one process's (the parity test of "
+                              "pp2 x ep2 fails there); leave out --pp or --ep")
         if p.cuda_graphs and not p.compile:
             raise ConfigError("--cuda-graphs records the compiled blocks as CUDA graphs: it needs --compile")
         if p.tp_overlap and p.sp and p.cp > 1:

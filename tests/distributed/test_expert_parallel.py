@@ -417,3 +417,15 @@ def test_moe_alone_is_plain_pytorch():
     moe(x).sum().backward()
     assert moe.router.gate.weight.grad.abs().sum() > 0 and moe.experts.w1.grad.abs().sum() > 0
     assert float(end_step([moe])[2]) == 3 * 5 * 2     # routed copies: tokens x top-k
+
+
+def test_pipelined_experts_are_refused_where_torch_gives_other_gradients(monkeypatch):
+    # torch 2.11 (the GPU machines' image): test_moe_layouts_match_one_process[pp2 x ep2-llama]
+    # fails there, the router's gradient 0.53 apart from one process's (2026-11-29); 2.13 passes
+    from meshtron.command_line import ConfigError
+    from meshtron.config import Config
+    argv = ["--model", "llama-moe-tiny", "--pp", "2", "--ep", "2", "--global-batch", "8", "--micro-batch", "2"]
+    Config.from_args(argv).validate(world_size=4)
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    with pytest.raises(ConfigError, match="--pp with --ep needs torch 2.13"):
+        Config.from_args(argv).validate(world_size=4)
