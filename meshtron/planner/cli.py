@@ -39,7 +39,8 @@ pp4; the inter-node link (nominal).
 error users can trust (each of 55 measured steps on one H200 and two and four H100s predicted by a fit made
 without it): step time mean 7.7%, compiled steps within 15% but a pipeline row and a MoE row, eager steps
 paced by the host up to 41% off; peak memory within 8% on every row. Held-out shapes: within 4% in time but
-FP8 without --compile (2.4-2.8x slower than predicted: train FP8 compiled), within 3% in memory. The table: docs/planner.md."""
+FP8 without --compile (2.4-2.8x slower than predicted: train FP8 compiled), within 3% in memory.
+The table: docs/planner.md."""
 
 
 def _collapse_ties(fit: list[Prediction]) -> list[tuple[Prediction, list[int]]]:
