@@ -88,6 +88,8 @@ MOE = ["--model", "llama-moe-3B", "--seq-len", "2048", "--micro-batch", "4"]
 GPT8 = gpt("1.3B", 8, 8)
 PIPE = l1b(32, micro_batch=4)   # the pipeline rows: global batch 32, micro-batch 4
 L8B = ["--model", "llama-8B", "--seq-len", "2048"]
+L8B_8K = ["--model", "llama-8B", "--seq-len", "8192", "--micro-batch", "1", "--global-batch", "4"]
+S8K = "--training.seq_len 8192"
 TT_MOE_LOAD = "--experimental.custom_import tt3_moe_load"   # torchtitan's routing load (py/tt3_moe_load.py)
 
 
@@ -310,7 +312,8 @@ SUITES = {
               rows=["meshtron bf16", "meshtron FP8 tensorwise", "torchtitan bf16"], OUT="{out}")]),
     "fsdp4": Suite(
         "Data parallel on four GPUs: llama-1B ZeRO-1 (16 x 2048 a rank) against torchtitan's FSDP; llama-8B "
-        "ZeRO-3 and ZeRO-2 (2 and 4 x 2048 a rank), bf16 and FP8 tensorwise (fp8 all-gathers on both sides).",
+        "ZeRO-3 and ZeRO-2 (2 and 4 x 2048 a rank, and 1 x 8192), bf16 and FP8 tensorwise (fp8 all-gathers on both "
+        "sides).",
         [tt("torchtitan fsdp4", 4, "llama1b_fsdp4_compile", **TT16),
          mt("dp4 ZeRO-1", 4, "fsdp4_compile", l1b(64), "torchtitan fsdp4"),
          tt("torchtitan fsdp4, eager", 4, "llama1b_fsdp4", **TT16),
@@ -323,6 +326,11 @@ SUITES = {
          tt("torchtitan llama-8B fsdp4 FP8", 4, "llama8b_fsdp4_fp8", **tt_batch(2)),
          mt("llama-8B dp4 ZeRO-3 FP8", 4, "fsdp4_zero3_fp8_compile",
             L8B + ["--micro-batch", "2", "--global-batch", "8"], "torchtitan llama-8B fsdp4 FP8"),
+         tt("torchtitan llama-8B fsdp4, seq 8192", 4, "llama8b_fsdp4_compile", **tt_batch(1, S8K)),
+         mt("llama-8B dp4 ZeRO-3, seq 8192", 4, "fsdp4_zero3_compile", L8B_8K, "torchtitan llama-8B fsdp4, seq 8192"),
+         tt("torchtitan llama-8B fsdp4 FP8, seq 8192", 4, "llama8b_fsdp4_fp8", **tt_batch(1, S8K)),
+         mt("llama-8B dp4 ZeRO-3 FP8, seq 8192", 4, "fsdp4_zero3_fp8_compile", L8B_8K,
+            "torchtitan llama-8B fsdp4 FP8, seq 8192"),
          tt("torchtitan llama-8B fsdp4, local batch 4", 4, "llama8b_fsdp4_compile", **tt_batch(4)),
          mt("llama-8B dp4 ZeRO-3, micro-batch 4", 4, "fsdp4_zero3_compile",
             L8B + ["--micro-batch", "4", "--global-batch", "16"], "torchtitan llama-8B fsdp4, local batch 4")]),
@@ -457,6 +465,8 @@ SUITES = {
             MOE + ["--global-batch", "8"], "torchtitan dp2 x ep2"),
          mt("--ep 2 --zero 1 --cuda-graphs, compiled", 2, "ep2_compile", MOE + ["--global-batch", "8",
                                                                               "--cuda-graphs"],
+            "torchtitan dp2 x ep2"),
+         mt("--ep 2 --zero 1 --moe-two-batch", 2, "ep2", MOE + ["--global-batch", "8", "--moe-two-batch"],
             "torchtitan dp2 x ep2")]),
     "ep4": Suite(
         "Expert parallel on four GPUs, llama-moe-3B, 4 x 2048 a rank, against torchtitan's dp4 x ep4, and "
@@ -466,6 +476,8 @@ SUITES = {
          tt("torchtitan dp4 x ep4, compiled", 4, "moe_ep4_compile"),
          mt("--ep 4 --zero 1, compiled", 4, "ep4_compile", MOE + ["--global-batch", "16"],
             "torchtitan dp4 x ep4, compiled"),
+         mt("--ep 4 --zero 1 --moe-two-batch", 4, "ep4", MOE + ["--global-batch", "16", "--moe-two-batch"],
+            "torchtitan dp4 x ep4"),
          tt("torchtitan moe fsdp4", 4, "moe_fsdp4"),
          mt("dp4 ZeRO-1, experts replicated", 4, "fsdp4", MOE + ["--global-batch", "16"], "torchtitan moe fsdp4")]),
     "moe-balance": Suite(
