@@ -87,6 +87,8 @@ LAYOUTS = {  # name: (GPUs, recipe flags); bf16 compute, fp32 master weights and
     "pp2tp2_1f1b": (4, ["--pp", "2", "--tp", "2", "--sp"]),   # micro-batches: --global-batch / --micro-batch
     "pp2tp2_nosp": (4, ["--pp", "2", "--tp", "2", "--microbatches", "8"]),
     "pp2tp2_m4": (4, ["--pp", "2", "--tp", "2", "--sp", "--microbatches", "4"]),
+    "pp2tp2_interleaved": (4, ["--pp", "2", "--tp", "2", "--sp", "--microbatches", "8", "--pp-schedule",
+                               "interleaved-1f1b", "--pp-virtual", "2"]),
     "cp2": (2, ["--cp", "2"]),                           # context parallelism: sequences over cp
     "cp4": (4, ["--cp", "4"]),
     "cp4_allgather": (4, ["--cp", "4", "--cp-comm", "allgather"]),
@@ -289,12 +291,15 @@ class MemoryPhases:
 
 
 def bubble(result: dict, par, microbatches: int, world: int, device) -> None:
-    """The pipeline's bubble, per rank, measured by the profile: `bubble_measured` the share
-    of the step the GPU computes nothing (its TP collectives idle too), `bubble_pipeline` the
-    share it runs neither compute nor a collective of its own stage (waiting in a pipeline
-    send/recv, or for the host); and the bubble as the schedule predicts it."""
+    """The pipeline's bubble, per rank, measured by the profile (the median over its steps):
+    `bubble_measured` the share of the step the GPU computes nothing (its TP collectives idle
+    too), `bubble_pipeline` the share it runs neither compute nor a collective of its own stage
+    (waiting in a pipeline send/recv, or for the host); and the bubble as the schedule predicts it."""
     p = result["profile"]
-    idle = torch.tensor([1 - p[k] / result["step_ms"] for k in ("compute_busy_ms", "stage_busy_ms")], device=device)
+    # the median over the profiled steps of each one's idle share; the average's without step spans
+    idle = torch.tensor([statistics.median(p[steps]) if p.get(steps) else 1 - p[k] / result["step_ms"]
+                         for k, steps in (("compute_busy_ms", "compute_idle_steps"),
+                                          ("stage_busy_ms", "stage_idle_steps"))], device=device)
     idles = [torch.zeros_like(idle) for _ in range(world)]
     dist.all_gather(idles, idle)
     result["bubble_measured"] = [round(float(t[0]), 4) for t in idles]
@@ -421,7 +426,8 @@ def profile(step, n: int, device, path: str, trace: str | None = None) -> dict:
     t0 = time.perf_counter()
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(n):
-            step(i)
+            with torch.profiler.record_function(f"{STEP_MARK}{i}"):   # its span on the GPU: the step's kernels
+                step(i)
         sync(device)
     wall = (time.perf_counter() - t0) / n * 1e3
     if trace:
@@ -457,6 +463,13 @@ def profile(step, n: int, device, path: str, trace: str | None = None) -> dict:
             host[f"host_{e.name}_calls"] += 1 / n
     busy, comm_total = _length(_union(comm + compute)), _length(_union(comm))
     stage = stage_busy([(e.name, e.time_range.start, e.time_range.end) for e in kernels])
+    # each step's GPU span (its record_function, as the GPU ran it): per-step idle shares
+    marks = sorted(e.time_range.start for e in prof.events() if e.device_type == DeviceType.CUDA
+                   and e.name.startswith(STEP_MARK))
+    end = max((e.time_range.end for e in kernels), default=0)
+    per_step = {"compute_idle_steps": step_idle(_union(compute), marks, end),
+                "stage_idle_steps": step_idle(_union([(e.time_range.start, e.time_range.end) for e in kernels
+                                                      if "sendrecv" not in e.name.lower()]), marks, end)}
     exposed = comm_total - _length(_intersect(_union(comm), _union(compute)))
     gaps = _gaps(_union(comm + compute), kernels, n)
     with open(path, "w") as f:
@@ -466,8 +479,18 @@ def profile(step, n: int, device, path: str, trace: str | None = None) -> dict:
         f.write("\nGPU idle gaps over 0.5 ms, per step: " + gaps)
     return {"wall_ms": wall, "gpu_busy_ms": busy / 1e3 / n, "compute_busy_ms": _length(_union(compute)) / 1e3 / n,
             "stage_busy_ms": stage / 1e3 / n, "comm_ms": comm_total / 1e3 / n,
-            "exposed_comm_ms": exposed / 1e3 / n, **{f"{k}_ms": v for k, v in by_kind.items()},
+            "exposed_comm_ms": exposed / 1e3 / n, **{f"{k}_ms": v for k, v in by_kind.items()}, **per_step,
             **dict(nccl_ops), **dict(host)}
+
+
+STEP_MARK = "bench_train_step_"
+
+
+def step_idle(busy: list, starts: list, end: float) -> list[float]:
+    """Per profiled step, the share of its time (from its first kernel to the next step's,
+    the last to `end`) that no span of the union `busy` covers: a pipeline's bubble step by step."""
+    bounds = list(zip(starts, starts[1:] + [end]))
+    return [round(1 - _length(_intersect(busy, [[s, e]])) / (e - s), 4) for s, e in bounds if e > s]
 
 
 def stage_busy(kernels: list) -> float:
@@ -557,7 +580,8 @@ def summarize(path: str, peer_path: str | None, baseline: str | None = None) -> 
             elif r.get("batch_balance"):
                 load += f" (router's own {r['router_load_timed_max']:.2f})"
         if r.get("profile"):
-            print("  profile (ms/step): " + ", ".join(f"{k} {v:.1f}" for k, v in r["profile"].items()))
+            print("  profile (ms/step): " + ", ".join(f"{k} {v:.1f}" for k, v in r["profile"].items()
+                                                    if isinstance(v, (int, float))))
         print(f"| {r['layout']} | {r['world']} | {r['step_ms']:.1f} | {r['tokens_per_s_per_gpu']:,.0f} | {mfu} | "
               f"{r['peak_mem_gib']:.1f} / {r.get('peak_reserved_gib', float('nan')):.1f} | {load} | "
               f"{p.get('tokens_per_s_per_gpu', 0):,.0f} | {p.get('peak_mem_gib', 0):.1f} "

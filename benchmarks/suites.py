@@ -87,6 +87,7 @@ TT16 = tt_batch(16)
 MOE = ["--model", "llama-moe-3B", "--seq-len", "2048", "--micro-batch", "4"]
 GPT8 = gpt("1.3B", 8, 8)
 PIPE = l1b(32, micro_batch=4)   # the pipeline rows: global batch 32, micro-batch 4
+STEPS5 = ["--profile-steps", "5"]   # a bubble is the median of five profiled steps' (bench_train.step_idle)
 L8B = ["--model", "llama-8B", "--seq-len", "2048"]
 L8B_8K = ["--model", "llama-8B", "--seq-len", "8192", "--micro-batch", "1", "--global-batch", "4"]
 S8K = "--training.seq_len 8192"
@@ -381,30 +382,33 @@ SUITES = {
         "batch (no torchtitan row): pp2 x tp2 + SP against dp2 x tp2 + SP at micro-batch 4, with and without "
         "`--cuda-graphs` (compiled), and at each layout's natural micro-batch; the schedules' bubbles against "
         "dp4 (eager, micro-batch 4). Bubble: predicted by the schedule's formula, measured as the largest "
-        "rank's share of the step with no compute kernel running (its TP collectives count as idle).",
-        [mt("dp2 x tp2, micro-batch 4", 4, "tp2dp2_compile", PIPE),
-         mt("pp2 x tp2, micro-batch 4", 4, "pp2tp2_compile", PIPE, "dp2 x tp2, micro-batch 4"),
-         mt("dp2 x tp2 --cuda-graphs, micro-batch 4", 4, "tp2dp2_compile", PIPE + ["--cuda-graphs"],
+        "rank's share of the step with no compute kernel running (its TP collectives count as idle), the median "
+        "of five profiled steps.",
+        [mt("dp2 x tp2, micro-batch 4", 4, "tp2dp2_compile", PIPE + STEPS5),
+         mt("pp2 x tp2, micro-batch 4", 4, "pp2tp2_compile", PIPE + STEPS5, "dp2 x tp2, micro-batch 4"),
+         mt("dp2 x tp2 --cuda-graphs, micro-batch 4", 4, "tp2dp2_compile", PIPE + STEPS5 + ["--cuda-graphs"],
             "dp2 x tp2, micro-batch 4"),
-         mt("pp2 x tp2 --cuda-graphs, 8 micro-batches of 4", 4, "pp2tp2_compile", PIPE + ["--cuda-graphs"],
+         mt("pp2 x tp2 --cuda-graphs, 8 micro-batches of 4", 4, "pp2tp2_compile", PIPE + STEPS5 + ["--cuda-graphs"],
             "pp2 x tp2, micro-batch 4"),
+         mt("pp2 x tp2 interleaved --cuda-graphs, 8 micro-batches of 4", 4, "pp2tp2_interleaved_compile",
+            PIPE + STEPS5 + ["--cuda-graphs"], "pp2 x tp2, micro-batch 4"),
          mt("pp2 x tp2 --cuda-graphs, 10 micro-batches of 4", 4, "pp2tp2_1f1b_compile",
-            l1b(40, "--cuda-graphs", micro_batch=4)),
+            l1b(40, "--cuda-graphs", *STEPS5, micro_batch=4)),
          mt("pp2 x tp2 --cuda-graphs, 12 micro-batches of 4", 4, "pp2tp2_1f1b_compile",
-            l1b(48, "--cuda-graphs", micro_batch=4)),
+            l1b(48, "--cuda-graphs", *STEPS5, micro_batch=4)),
          mt("pp2 x tp2 --cuda-graphs, 16 micro-batches of 4", 4, "pp2tp2_1f1b_compile",
-            l1b(64, "--cuda-graphs", micro_batch=4)),
+            l1b(64, "--cuda-graphs", *STEPS5, micro_batch=4)),
          mt("dp2 x tp2, micro-batch 16", 4, "tp2dp2_compile", l1b(32)),
          mt("dp2 x tp2 ZeRO-3, micro-batch 16", 4, "tp2dp2_zero3_compile", l1b(32)),
-         mt("pp2 x tp2, 4 micro-batches of 8", 4, "pp2tp2_m4_compile", l1b(32, micro_batch=8),
+         mt("pp2 x tp2, 4 micro-batches of 8", 4, "pp2tp2_m4_compile", l1b(32, *STEPS5, micro_batch=8),
             "dp2 x tp2, micro-batch 16"),
-         mt("dp4 ZeRO-1, micro-batch 4", 4, "fsdp4", PIPE),
-         mt("pp4 1F1B", 4, "pp4_1f1b", PIPE, "dp4 ZeRO-1, micro-batch 4"),
-         mt("pp4 interleaved", 4, "pp4_interleaved", PIPE, "dp4 ZeRO-1, micro-batch 4"),
-         mt("pp4 ZBV", 4, "pp4_zbv", PIPE, "dp4 ZeRO-1, micro-batch 4"),
-         mt("dp2 x pp2 1F1B", 4, "dp2pp2_1f1b", PIPE, "dp4 ZeRO-1, micro-batch 4"),
-         mt("dp2 x pp2 interleaved", 4, "dp2pp2_interleaved", PIPE, "dp4 ZeRO-1, micro-batch 4"),
-         mt("dp2 x pp2 ZBV", 4, "dp2pp2_zbv", PIPE, "dp4 ZeRO-1, micro-batch 4")]),
+         mt("dp4 ZeRO-1, micro-batch 4", 4, "fsdp4", PIPE + STEPS5),
+         mt("pp4 1F1B", 4, "pp4_1f1b", PIPE + STEPS5, "dp4 ZeRO-1, micro-batch 4"),
+         mt("pp4 interleaved", 4, "pp4_interleaved", PIPE + STEPS5, "dp4 ZeRO-1, micro-batch 4"),
+         mt("pp4 ZBV", 4, "pp4_zbv", PIPE + STEPS5, "dp4 ZeRO-1, micro-batch 4"),
+         mt("dp2 x pp2 1F1B", 4, "dp2pp2_1f1b", PIPE + STEPS5, "dp4 ZeRO-1, micro-batch 4"),
+         mt("dp2 x pp2 interleaved", 4, "dp2pp2_interleaved", PIPE + STEPS5, "dp4 ZeRO-1, micro-batch 4"),
+         mt("dp2 x pp2 ZBV", 4, "dp2pp2_zbv", PIPE + STEPS5, "dp4 ZeRO-1, micro-batch 4")]),
     "cp1": Suite(
         "Long context on one GPU: llama-617M (torchtitan's cp_8l shape), one sequence a step, not compiled; 16K "
         "against torchtitan, longer alone.",

@@ -30,3 +30,22 @@ def test_profile_writes_the_timeline_when_asked(tmp_path):
     names = {e.get("name") for e in json.load(gzip.open(trace))["traceEvents"]}
     assert "aten::mm" in names, sorted(n for n in names if n)[:20]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["profile.txt", "trace_r0.json.gz"]   # the raw file removed
+
+
+def test_each_profiled_steps_idle_share_and_the_bubble_as_their_median():
+    """step_idle: per step, from its first kernel to the next step's, the share no busy span
+    covers (a bubble measured step by step, the median of them taken by bench_train.bubble)."""
+    import statistics
+    busy = [[0, 6], [8, 10], [10, 14], [20, 29]]
+    steps = bench_train.step_idle(busy, [0, 10, 20], 30)
+    assert steps == [0.2, 0.6, 0.1]     # 8 of 10 busy, 4 of 10, 9 of 10
+    assert statistics.median(steps) == 0.2
+    assert bench_train.step_idle(busy, [], 30) == []     # no step spans (a CPU profile): none
+
+
+def test_the_profile_marks_each_step_and_keeps_its_figures_numbers_or_per_step_lists(tmp_path):
+    import torch
+    x = torch.randn(32, 32)
+    p = bench_train.profile(lambda i: x @ x, 2, torch.device("cpu"), str(tmp_path / "profile.txt"))
+    assert p["compute_idle_steps"] == [] and p["stage_idle_steps"] == []   # no GPU spans on the CPU
+    assert all(isinstance(v, (int, float)) for k, v in p.items() if not k.endswith("_steps"))
