@@ -25,10 +25,12 @@ import dataclasses
 import glob
 import json
 import math
+import multiprocessing
 import os
 import random
 import statistics
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 from meshtron import models
 from meshtron.config import Config
@@ -128,13 +130,25 @@ def machines_of(rows: list[dict]) -> dict[str, Hardware]:
     return {name: plan.hardware(calibration_path(name)) for name in sorted({r["gpu"] for r in rows})}
 
 
+def _fit_without(args) -> dict[str, float]:
+    rows, i, machines, fit_kwargs = args
+    return fit(rows[:i] + rows[i + 1:], machines, **fit_kwargs)
+
+
 def leave_one_out(rows: list[dict], **fit_kwargs) -> list[dict]:
-    """Each row predicted (step time and peak memory) by terms fitted to every other row."""
+    """Each row predicted (step time and peak memory) by terms fitted to every other row;
+    the fits, independent of each other, in a process per core."""
     rows = [r for r in rows if not r.get("excluded")]
     machines = machines_of(rows)
+    jobs = [(rows, i, machines, fit_kwargs) for i in range(len(rows))]
+    workers = min(len(os.sched_getaffinity(0)), len(rows))
+    if workers > 1:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            fitted = list(pool.map(_fit_without, jobs))
+    else:
+        fitted = [_fit_without(job) for job in jobs]
     out = []
-    for i, row in enumerate(rows):
-        values = fit(rows[:i] + rows[i + 1:], machines, **fit_kwargs)
+    for row, values in zip(rows, fitted):
         pred = predict_row(row, _with(machines[row["gpu"]], values))
         mem = row.get("peak_mem_gib")
         out.append(dict(gpu=row["gpu"], world=row["world"], flags=row["flags"], step_ms=row["step_ms"],
