@@ -21,7 +21,9 @@ from test_job_lifetime import DP2, FORKED, ROOT, TINY, _alive, _env
 
 from meshtron.config import ConfigError
 from meshtron.train import checkpoint
-from meshtron.train.watchdog import FLOOR_S, Progress, deadline, ranks_text, verdict
+from meshtron.train.hang_report import ranks_text, verdict
+from meshtron.train.progress import Progress
+from meshtron.train.watchdog import FLOOR_S, deadline
 
 from harness import RankError, train
 

@@ -4,7 +4,7 @@ In a synchronous job every rank's step takes the same wall time: a slow rank mak
 others wait in their collectives. What tells them apart is the time a rank spends on its
 own work, busy: loading data (no collective in it) and computing, the step's time less what
 it waited in collectives. Each rank measures that on its own over the log interval
-(meshtron/train/watchdog.py's Progress, no collective per step); at the log line one
+(meshtron/train/progress.py's Progress, no collective per step); at the log line one
 small all-gather brings every rank's figures together, and a rank whose busy time exceeds
 the median's by more than --straggler-threshold is named, with its time.
 
@@ -27,7 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from meshtron.train.watchdog import Progress
+from meshtron.train.progress import Progress
 
 COMPUTE = ("forward/backward", "optimizer")
 FIELDS = ("busy", "compute", "data", "wait")

@@ -48,9 +48,10 @@ from meshtron.train.lifetime import DirectoryLock
 from meshtron.train.loss import IGNORE_INDEX, forward_kwargs
 from meshtron.train.metrics import RunLog, Throughput, peak_memory_gib
 from meshtron.train.optim import build_optimizer, warmup_cosine
+from meshtron.train.progress import Progress
 from meshtron.train.step import _value, gradients, layout_loss, micro_batch_loss, moe_end_step
 from meshtron.train.stragglers import Stragglers
-from meshtron.train.watchdog import Progress, Watchdog
+from meshtron.train.watchdog import Watchdog
 
 
 class Trainer:
@@ -67,7 +68,7 @@ class Trainer:
         self.lock: DirectoryLock | None = None
         self.run_log: RunLog | None = None
         self.checkpoints: CheckpointManager | None = None
-        self.progress = Progress()   # where the loop is, for the watchdog and the stragglers (watchdog.py)
+        self.progress = Progress()   # where the loop is, for the watchdog and the stragglers (progress.py)
         self.watchdog: Watchdog | None = None
         try:
             self._set_up(verbose)
