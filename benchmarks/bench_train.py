@@ -461,23 +461,23 @@ def profile(step, n: int, device, path: str, trace: str | None = None) -> dict:
                                                           "cudaMemcpyAsync"):
             host[f"host_{e.name}_ms"] += e.time_range.elapsed_us() / 1e3 / n
             host[f"host_{e.name}_calls"] += 1 / n
-    busy, comm_total = _length(_union(comm + compute)), _length(_union(comm))
-    stage = stage_busy([(e.name, e.time_range.start, e.time_range.end) for e in kernels])
+    busy_u, comm_u, compute_u = _union(comm + compute), _union(comm), _union(compute)
+    stage_u = stage_spans([(e.name, e.time_range.start, e.time_range.end) for e in kernels])
+    busy, comm_total, stage = _length(busy_u), _length(comm_u), _length(stage_u)
     # each step's GPU span (its record_function, as the GPU ran it): per-step idle shares
     marks = sorted(e.time_range.start for e in prof.events() if e.device_type == DeviceType.CUDA
                    and e.name.startswith(STEP_MARK))
     end = max((e.time_range.end for e in kernels), default=0)
-    per_step = {"compute_idle_steps": step_idle(_union(compute), marks, end),
-                "stage_idle_steps": step_idle(_union([(e.time_range.start, e.time_range.end) for e in kernels
-                                                      if "sendrecv" not in e.name.lower()]), marks, end)}
-    exposed = comm_total - _length(_intersect(_union(comm), _union(compute)))
-    gaps = _gaps(_union(comm + compute), kernels, n)
+    per_step = {"compute_idle_steps": step_idle(compute_u, marks, end),
+                "stage_idle_steps": step_idle(stage_u, marks, end)}
+    exposed = comm_total - _length(_intersect(comm_u, compute_u))
+    gaps = _gaps(busy_u, kernels, n)
     with open(path, "w") as f:
         f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=110))
         # host time: a step bound by its CPU, or by the CPU waiting for the GPU (synchronizations), shows here
         f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
         f.write("\nGPU idle gaps over 0.5 ms, per step: " + gaps)
-    return {"wall_ms": wall, "gpu_busy_ms": busy / 1e3 / n, "compute_busy_ms": _length(_union(compute)) / 1e3 / n,
+    return {"wall_ms": wall, "gpu_busy_ms": busy / 1e3 / n, "compute_busy_ms": _length(compute_u) / 1e3 / n,
             "stage_busy_ms": stage / 1e3 / n, "comm_ms": comm_total / 1e3 / n,
             "exposed_comm_ms": exposed / 1e3 / n, **{f"{k}_ms": v for k, v in by_kind.items()}, **per_step,
             **dict(nccl_ops), **dict(host)}
@@ -493,10 +493,15 @@ def step_idle(busy: list, starts: list, end: float) -> list[float]:
     return [round(1 - _length(_intersect(busy, [[s, e]])) / (e - s), 4) for s, e in bounds if e > s]
 
 
+def stage_spans(kernels: list) -> list:
+    """The union of a rank's kernels, (name, start, end) each, but the pipeline's
+    peer-to-peer ones (NCCL SendRecv): its stage's compute and collectives."""
+    return _union([(s, e) for name, s, e in kernels if "sendrecv" not in name.lower()])
+
+
 def stage_busy(kernels: list) -> float:
-    """The time covered by the union of a rank's kernels, (name, start, end) each, but the
-    pipeline's peer-to-peer ones (NCCL SendRecv): its stage's compute and collectives."""
-    return _length(_union([(s, e) for name, s, e in kernels if "sendrecv" not in name.lower()]))
+    """The time stage_spans covers."""
+    return _length(stage_spans(kernels))
 
 
 def _gaps(busy: list, kernels: list, n: int) -> str:
