@@ -43,6 +43,12 @@ from meshtron.distributed.local_tensor_parallel import _distribute, _group, _loc
 _funcol = torch.ops._c10d_functional
 
 
+def chunked(parallel) -> bool:
+    """--tp-overlap-comm chunked is on for a ParallelConfig (config.py refuses it without
+    --tp-overlap and --sp)."""
+    return parallel.tp_overlap and parallel.tp_overlap_comm == "chunked"
+
+
 def _shift(t: torch.Tensor, s: int, rank: int, tp: int, group: str) -> torch.Tensor:
     """Start sending t to rank - s and receiving its like from rank + s (mod tp); returns
     the pending receive (flat)."""

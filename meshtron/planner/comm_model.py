@@ -54,6 +54,7 @@ import dataclasses
 import functools
 import math
 
+from meshtron.distributed.chunked_tensor_parallel import chunked
 from meshtron.distributed.data_parallel import DTYPES
 from meshtron.distributed.expert_parallel import dispatch_of
 from meshtron.distributed.fused_loss import default_chunk
@@ -211,7 +212,7 @@ def _tp_blocks(t: _Tally, s: _Step, blocks: int) -> None:
     is_moe = getattr(s.cfg, "moe", None) is not None
     matmuls = 1 if is_moe else 2       # an MoE block's MLP runs whole on each tp rank
     m, act, act_shard = s.m * blocks, s.act, s.act // s.d["tp"]
-    if s.sp and s.par.tp_overlap and s.par.tp_overlap_comm == "chunked":
+    if s.sp and chunked(s.par):
         # each gather and reduce-scatter of a dense block as tp - 1 shifts of one piece (chunked_tensor_parallel),
         # forward and backward; recompute runs the forward's again, the last reduce-scatter's too
         t.add("all_to_all", "tp", act_shard, m * (s.d["tp"] - 1) * 4 * (2 + s.refwd), part="tp")

@@ -9,6 +9,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 
 from meshtron.config import ParallelConfig
 from meshtron.distributed import expert_parallel
+from meshtron.distributed.chunked_tensor_parallel import chunked
 from meshtron.distributed.context_parallel import apply_cp
 from meshtron.distributed.mesh import degree
 from meshtron.distributed.parallelize import apply_compile, apply_dp, apply_fp8, compile_options, fp8_tp_plan
@@ -33,7 +34,7 @@ def check_layout(cfg, degrees: dict[str, int], parallel: ParallelConfig, seq_len
                          heads=cfg.n_heads, tp_divides={"the hidden size": cfg.dim,
                                                         "the vocabulary size": cfg.vocab_size},
                          attention_dropout=cfg.dropout, n_experts=cfg.moe.n_experts if cfg.moe else 0)
-    if parallel.tp_overlap and parallel.tp_overlap_comm == "chunked" and degrees["tp"] > 1:
+    if chunked(parallel) and degrees["tp"] > 1:
         raise ValueError("--tp-overlap-comm chunked cuts the Llama's local-tensor blocks; the GPT's keep the "
                          "DTensor styles: leave it at nccl")
 

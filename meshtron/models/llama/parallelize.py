@@ -10,7 +10,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 
 from meshtron.config import ParallelConfig
 from meshtron.distributed import expert_parallel
-from meshtron.distributed.chunked_tensor_parallel import ChunkedColumn, ChunkedRow
+from meshtron.distributed.chunked_tensor_parallel import ChunkedColumn, ChunkedRow, chunked
 from meshtron.distributed.context_parallel import apply_cp
 from meshtron.distributed.local_tensor_parallel import (
     GatherInput,
@@ -48,11 +48,6 @@ def check_layout(cfg, degrees: dict[str, int], parallel: ParallelConfig, seq_len
     if cfg.moe and chunked(parallel) and tp > 1:
         raise ValueError("--tp-overlap-comm chunked cuts the dense blocks' matmuls: mixture-of-experts blocks "
                          "keep the DTensor styles; leave it at nccl")
-
-
-def chunked(parallel: ParallelConfig) -> bool:
-    """--tp-overlap-comm chunked is on (config.py refuses it without --tp-overlap and --sp)."""
-    return parallel.tp_overlap and parallel.tp_overlap_comm == "chunked"
 
 
 def tp_plan(model: nn.Module, sp: bool, loss_parallel: bool, moe: bool = False, local: bool = False,
